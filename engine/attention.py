@@ -1,0 +1,80 @@
+"""Paged attention over the KV block pool.
+
+The pool holds, per layer, ``k`` and ``v`` tensors of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+A step's tokens arrive flattened: first every prefill chunk (one span per sequence), then one token per decoding
+sequence. :class:`AttentionMetadata` is built once per step by the model runner and shared by all layers, so a
+layer's Python work is O(prefill spans + 1), never O(tokens) or O(blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk of prompt tokens in this step.
+
+    ``start``/``length`` index the flat token batch; ``context_len`` counts keys visible to the chunk's last token
+    (cached prefix + earlier chunks + this chunk). ``block_table`` is given only when ``context_len > length``
+    (the chunk must read earlier keys from the pool).
+    """
+
+    start: int
+    length: int
+    context_len: int
+    block_table: torch.Tensor | None
+    mask: torch.Tensor | None  # [length, context_len] bool, only with a block table
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: flat slot (block * block_size + offset) each new key is written to
+    prefills: list[PrefillSpan]
+    num_prefill_tokens: int
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks] long
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool: key is within the context
+
+
+def causal_mask_with_prefix(length: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """Mask [length, context_len]: query i (absolute position context_len-length+i) sees keys 0..that position."""
+    q_pos = torch.arange(context_len - length, context_len, device=device).unsqueeze(1)
+    return torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Store the step's new keys/values in the pool, then attend.
+
+    q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D].
+    """
+    nb, bs, kvh, d = k_cache.shape
+    k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    for span in meta.prefills:
+        s, e = span.start, span.start + span.length
+        qs = q[s:e].transpose(0, 1).unsqueeze(0)
+        if span.block_table is None:
+            ks, vs = k[s:e], v[s:e]
+            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                                               is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            ks = k_cache[span.block_table].view(-1, kvh, d)[: span.context_len]
+            vs = v_cache[span.block_table].view(-1, kvh, d)[: span.context_len]
+            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                                               attn_mask=span.mask, scale=scale, enable_gqa=True)
+        out[s:e] = o.squeeze(0).transpose(0, 1)
+    if meta.decode_block_tables is not None:
+        p = meta.num_prefill_tokens
+        bt = meta.decode_block_tables
+        b = bt.shape[0]
+        kd = k_cache[bt].view(b, -1, kvh, d).transpose(1, 2)
+        vd = v_cache[bt].view(b, -1, kvh, d).transpose(1, 2)
+        qd = q[p:].unsqueeze(2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        out[p:] = o.squeeze(2)
+    return out

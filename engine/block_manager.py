@@ -1,0 +1,130 @@
+"""The KV block pool's bookkeeping: allocation, reference counts, prefix caching, eviction.
+
+Every block is in exactly one of three states:
+
+* **in use** — ``ref_count > 0``; listed in the block tables of that many running sequences;
+* **cached** — ``ref_count == 0`` with a hash; its KV is valid and a later prompt with the same prefix reuses it;
+* **free** — ``ref_count == 0`` without a hash.
+
+Blocks with ``ref_count == 0`` sit in one LRU queue: free blocks at the front, cached ones appended when released, so
+allocation takes never-cached blocks first and then evicts the least recently used cached block. A block's hash is
+registered only once its KV has been computed, so a prefix hit never reads a block still being written.
+Check-then-act: the scheduler asks :meth:`can_allocate` before :meth:`allocate_prefix` / :meth:`append_slots`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.unreferenced: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[bytes, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free or evictable cached)."""
+        return len(self.unreferenced)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of ``seq`` (at least one token is always left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for i in range(max_blocks):
+            bid = self.hash_to_block.get(seq.block_hash(i))
+            if bid is None:
+                break
+            hits.append(bid)
+        return hits
+
+    def can_allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
+        """Whether ``seq`` (no blocks yet) can take ``hits`` and blocks for ``num_new_tokens`` more tokens."""
+        hits_unreferenced = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        total = -(-(len(hits) * self.block_size + num_new_tokens) // self.block_size)
+        return self.num_free_blocks - hits_unreferenced >= total - len(hits)
+
+    def allocate_prefix(self, seq: Sequence, hits: list[int]) -> None:
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        for bid in hits:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.unreferenced[bid]
+            block.ref_count += 1
+            seq.block_table.append(bid)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_registered_blocks = len(hits)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow ``seq``'s block table to hold ``num_new_tokens`` more tokens; False (nothing changed) if the pool
+        is short."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            bid, _ = self.unreferenced.popitem(last=False)
+            block = self.blocks[bid]
+            if block.hash is not None:
+                if self.hash_to_block.get(block.hash) == bid:
+                    del self.hash_to_block[block.hash]
+                block.hash = None
+            block.ref_count = 1
+            seq.block_table.append(bid)
+        return True
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Publish the hashes of ``seq``'s blocks whose KV is now fully computed."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_registered_blocks, full):
+            h = seq.block_hash(i)
+            bid = seq.block_table[i]
+            if h not in self.hash_to_block and self.blocks[bid].hash is None:
+                self.hash_to_block[h] = bid
+                self.blocks[bid].hash = h
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks (tail first, so a prefix's head stays cached longest)."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            assert block.ref_count > 0, f"double free of block {bid}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.unreferenced[bid] = None
+                if block.hash is None:
+                    self.unreferenced.move_to_end(bid, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def check_no_leaks(self) -> None:
+        """Assert every block is free or cached with zero references (call when no request is live)."""
+        held = [b.block_id for b in self.blocks if b.ref_count != 0]
+        assert not held, f"{len(held)} KV block(s) still referenced: {held[:8]}"
+        assert len(self.unreferenced) == len(self.blocks), "unreferenced queue out of sync"

@@ -1,0 +1,256 @@
+"""Model and engine configuration.
+
+:class:`ModelConfig` is parsed from a Hugging Face LLaVA ``config.json`` and validated on construction: anything the
+engine cannot run exactly as the reference does is rejected with :class:`UnsupportedModelError` before any weight is
+read. :class:`EngineConfig` holds the serving knobs (dtype, KV pool size, batching limits).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import CheckpointError, UnsupportedModelError
+
+SUPPORTED_TEXT_MODELS = ("qwen3_moe", "mixtral", "qwen3", "llama", "mistral")
+SUPPORTED_VISION_MODELS = ("siglip_vision_model", "clip_vision_model")
+SUPPORTED_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "gelu_new", "quick_gelu", "silu", "relu")
+logger = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    hidden_act: str
+
+    @property
+    def has_cls_token(self) -> bool:
+        return self.model_type == "clip_vision_model"
+
+    @property
+    def num_positions(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + int(self.has_cls_token)
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    hidden_act: str
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    moe_layers: tuple[bool, ...]
+    sliding_window: int | None
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the runtime needs to know about a LLaVA checkpoint."""
+
+    text: TextConfig
+    vision: VisionConfig | None
+    image_token_index: int | None
+    image_seq_length: int
+    vision_feature_layers: tuple[int, ...]
+    vision_feature_select_strategy: str
+    projector_hidden_act: str
+    projector_bias: bool
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Number of placeholder tokens (and projected features) one image expands to."""
+        assert self.vision is not None
+        drop = 1 if self.vision_feature_select_strategy == "default" else 0
+        return self.vision.num_positions - drop
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise CheckpointError(f"model directory not found: {path}")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointError(f"no config.json in {path}")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot parse {cfg_file}: {e}") from None
+        gen = _read_optional_json(path / "generation_config.json")
+        return parse_config(raw, gen)
+
+
+def _read_optional_json(file: Path) -> dict:
+    if not file.is_file():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot parse {file}: {e}") from None
+
+
+def _as_tuple(x: int | list[int] | None) -> tuple[int, ...]:
+    if x is None:
+        return ()
+    return tuple(x) if isinstance(x, list | tuple) else (int(x),)
+
+
+def _check_act(name: str, what: str) -> str:
+    if name not in SUPPORTED_ACTIVATIONS:
+        raise UnsupportedModelError(f"unsupported {what} activation {name!r} (supported: {SUPPORTED_ACTIVATIONS})")
+    return name
+
+
+def parse_text_config(t: dict) -> TextConfig:
+    mt = t.get("model_type")
+    if mt not in SUPPORTED_TEXT_MODELS:
+        raise UnsupportedModelError(f"unsupported text model_type {mt!r} (supported: {', '.join(SUPPORTED_TEXT_MODELS)})")
+    try:
+        hidden, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
+        n_layers = int(t["num_hidden_layers"])
+        rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise UnsupportedModelError(f"unsupported rope_type {rope_type!r} (only 'default' RoPE)")
+        theta = float(rope.get("rope_theta", t.get("rope_theta", 10000.0)))
+        n_exp = int(t.get("num_experts", t.get("num_local_experts", 0)) or 0)
+        if mt == "qwen3_moe":
+            step, only = int(t.get("decoder_sparse_step", 1)), set(t.get("mlp_only_layers") or [])
+            moe_layers = tuple(i not in only and n_exp > 0 and (i + 1) % step == 0 for i in range(n_layers))
+        else:
+            moe_layers = tuple(mt == "mixtral" and n_exp > 0 for _ in range(n_layers))
+        moe_inter = int(t.get("moe_intermediate_size") or t["intermediate_size"]) if mt == "qwen3_moe" else int(
+            t["intermediate_size"])
+        sliding = t.get("sliding_window") if t.get("use_sliding_window", mt in ("mistral", "mixtral")) else None
+        return TextConfig(
+            model_type=mt, vocab_size=int(t["vocab_size"]), hidden_size=hidden, num_layers=n_layers,
+            num_heads=heads, num_kv_heads=int(t.get("num_key_value_heads") or heads),
+            head_dim=int(t.get("head_dim") or hidden // heads), intermediate_size=int(t["intermediate_size"]),
+            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            max_position_embeddings=int(t.get("max_position_embeddings", 4096)),
+            hidden_act=_check_act(t.get("hidden_act", "silu"), "text"),
+            tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
+            attention_bias=bool(t.get("attention_bias", False)), qk_norm=mt in ("qwen3", "qwen3_moe"),
+            num_experts=n_exp, top_k=int(t.get("num_experts_per_tok", 0) or 0), moe_intermediate_size=moe_inter,
+            norm_topk_prob=True if mt == "mixtral" else bool(t.get("norm_topk_prob", False)),
+            moe_layers=moe_layers, sliding_window=int(sliding) if sliding else None,
+        )
+    except KeyError as e:
+        raise CheckpointError(f"text config is missing {e.args[0]!r}") from None
+
+
+def parse_vision_config(v: dict) -> VisionConfig:
+    mt = v.get("model_type")
+    if mt not in SUPPORTED_VISION_MODELS:
+        raise UnsupportedModelError(f"unsupported vision model_type {mt!r} (supported: {', '.join(SUPPORTED_VISION_MODELS)})")
+    default_act = "quick_gelu" if mt == "clip_vision_model" else "gelu_pytorch_tanh"
+    try:
+        return VisionConfig(
+            model_type=mt, hidden_size=int(v["hidden_size"]), intermediate_size=int(v["intermediate_size"]),
+            num_layers=int(v["num_hidden_layers"]), num_heads=int(v["num_attention_heads"]),
+            image_size=int(v["image_size"]), patch_size=int(v["patch_size"]),
+            num_channels=int(v.get("num_channels", 3)), layer_norm_eps=float(v.get("layer_norm_eps", 1e-5 if mt == "clip_vision_model" else 1e-6)),
+            hidden_act=_check_act(v.get("hidden_act", default_act), "vision"),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"vision config is missing {e.args[0]!r}") from None
+
+
+def parse_config(raw: dict, generation_config: dict | None = None) -> ModelConfig:
+    """Parse a ``config.json`` dict (``model_type`` ``llava``, or a bare supported text model)."""
+    mt = raw.get("model_type")
+    if mt == "llava":
+        text = parse_text_config(raw.get("text_config") or {})
+        vision = parse_vision_config(raw.get("vision_config") or {})
+    elif mt in SUPPORTED_TEXT_MODELS:
+        text, vision = parse_text_config(raw), None
+    else:
+        raise UnsupportedModelError(f"unsupported model_type {mt!r} (supported: llava, {', '.join(SUPPORTED_TEXT_MODELS)})")
+    layers = _as_tuple(raw.get("vision_feature_layer", -2))
+    strategy = raw.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise UnsupportedModelError(f"unsupported vision_feature_select_strategy {strategy!r}")
+    if vision is not None:
+        for layer in layers:
+            if not -(vision.num_layers + 1) <= layer <= vision.num_layers:
+                raise CheckpointError(f"vision_feature_layer {layer} out of range for {vision.num_layers} layers")
+    gen = generation_config or {}
+    eos = _as_tuple(gen.get("eos_token_id")) or _as_tuple((raw.get("text_config") or raw).get("eos_token_id")) or _as_tuple(raw.get("eos_token_id"))
+    cfg = ModelConfig(
+        text=text, vision=vision,
+        image_token_index=raw.get("image_token_index", raw.get("image_token_id")) if vision else None,
+        image_seq_length=int(raw.get("image_seq_length", 0) or 0), vision_feature_layers=layers,
+        vision_feature_select_strategy=strategy,
+        projector_hidden_act=_check_act(raw.get("projector_hidden_act", "gelu"), "projector"),
+        projector_bias=bool(raw.get("multimodal_projector_bias", True)), eos_token_ids=eos,
+        torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or (raw.get("text_config") or {}).get("dtype") or "float32"),
+    )
+    if vision is not None and cfg.image_seq_length and cfg.image_seq_length != cfg.tokens_per_image:
+        logger.warning("config image_seq_length %d differs from the %d features the vision tower yields per image; "
+                       "using %d", cfg.image_seq_length, cfg.tokens_per_image, cfg.tokens_per_image)
+    return cfg
+
+
+@dataclass
+class EngineConfig:
+    """Serving knobs. Validated on construction; see the README for defaults."""
+
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    vision_cache_size: int = 64
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+    def torch_dtype(self, model: ModelConfig) -> torch.dtype:
+        name = model.torch_dtype if self.dtype == "auto" else self.dtype
+        return DTYPES.get(name, torch.float32)

@@ -1,0 +1,165 @@
+"""The engine loop: ``add_request`` -> ``step()`` (schedule -> run -> postprocess) -> outputs.
+
+Single process, single thread. Node actors in ``prefill_node/`` and ``decode_node/`` drive one engine each.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import CheckpointError, InvalidRequestError
+from engine.image_processor import ImageProcessor
+from engine.inputs import InputProcessor
+from engine.model import LlavaModel
+from engine.model_runner import ModelRunner, sampling_order
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampler import sample, suppress_stop_tokens
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        self.model_config = cfg = ModelConfig.from_pretrained(self.model_dir)
+        self.dtype = config.torch_dtype(cfg)
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequestError("device 'cuda' requested but CUDA is not available")
+        self.model = LlavaModel.load(self.model_dir, cfg, self.dtype, self.device)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
+        self.image_processor = None
+        if cfg.vision is not None:
+            self.image_processor = ImageProcessor.from_pretrained(
+                self.model_dir, default_image_size=cfg.vision.image_size, vision_model_type=cfg.vision.model_type)
+        self.eos_token_ids = list(cfg.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
+        max_len, num_blocks = self._size_pool()
+        self.max_model_len = max_len
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
+                                  max_model_len=max_len, dtype=self.dtype, device=self.device,
+                                  vision_cache_size=config.vision_cache_size)
+        self.inputs = InputProcessor(cfg, self.tokenizer, self.image_processor, max_len)
+        self.requests: dict[str, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self._generator = torch.Generator().manual_seed(config.seed)
+
+    def _size_pool(self) -> tuple[int, int]:
+        c, t = self.config, self.model_config.text
+        limit = t.max_position_embeddings if t.sliding_window is None else min(t.max_position_embeddings, t.sliding_window)
+        if c.max_model_len is not None and c.max_model_len > limit:
+            raise CheckpointError(f"max_model_len {c.max_model_len} exceeds the model's limit of {limit} positions")
+        max_len = c.max_model_len or min(limit, 4096)
+        per_block = 2 * t.num_layers * t.num_kv_heads * t.head_dim * c.block_size * torch.finfo(self.dtype).bits // 8
+        blocks_per_seq = -(-max_len // c.block_size)
+        if c.num_kv_blocks is not None:
+            num_blocks = c.num_kv_blocks
+        else:
+            by_memory = int(c.kv_cache_memory_gb * 2**30 // per_block)
+            num_blocks = max(blocks_per_seq, min(by_memory, blocks_per_seq * c.max_num_seqs))
+        return min(max_len, num_blocks * c.block_size), num_blocks
+
+    # ----------------------------------------------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request. Raises InvalidRequestError (subclasses) and changes nothing on bad input."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        params = params or SamplingParams()
+        p = self.inputs.process(prompt)
+        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(p.token_ids),
+                       num_prompt_tokens=len(p.token_ids), params=params, block_size=self.config.block_size,
+                       prompt=p.prompt, mm=p.mm, metrics=RequestMetrics(arrival_time or time.perf_counter()),
+                       logits=[] if params.return_logits else None)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. Returns False if it is unknown or already done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        seq.metrics.finished_time = time.perf_counter()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --------------------------------------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """One schedule -> run -> postprocess iteration. Returns an output for each request that got a token."""
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        now = time.perf_counter()
+        for s in sched.prefills + sched.decodes:
+            s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
+        logits = self.runner.execute(sched)
+        sampling = sampling_order(sched)
+        seqs = [s.seq for s in sampling]
+        rows = [r for r, q in enumerate(seqs) if q.num_output_tokens < q.params.min_tokens]
+        suppress_stop_tokens(logits, rows, [self._stop_ids(seqs[r]) for r in rows])
+        tokens = sample(logits, [q.params for q in seqs], [q.generator or self._generator for q in seqs])
+        for s in sched.prefills + sched.decodes:
+            s.seq.num_computed_tokens += s.num_tokens
+            self.block_manager.register_computed(s.seq)
+        now = time.perf_counter()
+        outputs = []
+        for r, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
+            seq.token_ids.append(tok)
+            if seq.logits is not None:
+                seq.logits.append(logits[r].cpu())
+            seq.metrics.first_token_time = seq.metrics.first_token_time or now
+            self._check_stop(seq, tok)
+            if seq.finish_reason is not None:
+                seq.metrics.finished_time = now
+                self.requests.pop(seq.request_id, None)
+            outputs.append(self.make_output(seq))
+        return outputs
+
+    def _stop_ids(self, seq: Sequence) -> list[int]:
+        return list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else self.eos_token_ids)
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if tok in p.stop_token_ids:
+                seq.stop_reason = tok
+                return self.scheduler.finish(seq, "stop")
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                return self.scheduler.finish(seq, "stop")
+        if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.finish_reason is not None
+        text = self.tokenizer.decode(seq.output_token_ids) if finished and self.tokenizer else ""
+        out = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, seq.logits)
+        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], [out], finished,
+                             seq.metrics, seq.num_cached_tokens)
+
+    # ------------------------------------------------------------------------------------------------------- stats
+    def moe_counts(self) -> torch.Tensor:
+        """[num_layers, num_experts] tokens routed per (layer, expert) since the last :meth:`reset_moe_counts`."""
+        return self.model.text.moe_counts().cpu()
+
+    def reset_moe_counts(self) -> None:
+        self.model.text.reset_moe_counts()

@@ -1,0 +1,135 @@
+"""Runs one scheduled step through the model: builds the flat batch and attention metadata, encodes pending
+images (with a content-hash cache), runs the decoder, and returns logits for the rows that sample.
+
+Owns the KV pool tensors: per layer ``(k, v)`` each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSpan, causal_mask_with_prefix
+from engine.layers import RotaryEmbedding
+from engine.model import LlavaModel
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlavaModel, *, num_blocks: int, block_size: int, max_model_len: int,
+                 dtype: torch.dtype, device: torch.device, vision_cache_size: int = 64) -> None:
+        t = model.cfg.text
+        self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
+        shape = (num_blocks, block_size, t.num_kv_heads, t.head_dim)
+        self.kv_cache = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                         for _ in range(t.num_layers)]
+        self.rope = RotaryEmbedding(t.head_dim, t.rope_theta, max_model_len, device)
+        self.vision_cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.vision_cache_size = vision_cache_size
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        k, _ = self.kv_cache[0]
+        return 2 * len(self.kv_cache) * k.shape[2] * k.shape[3] * k.element_size()
+
+    def encode_pending_images(self, seqs: list[Sequence]) -> None:
+        """Compute image features for sequences scheduled for the first time, reusing cached encodings."""
+        todo: list[tuple[Sequence, int, bytes]] = []
+        for seq in seqs:
+            if seq.mm is not None and seq.mm.features is None:
+                todo.extend((seq, i, h) for i, h in enumerate(seq.mm.image_hashes) if h not in self.vision_cache)
+        if todo:
+            pixels = torch.stack([s.mm.pixel_values[i] for s, i, _ in todo]).to(self.device)
+            feats = self.model.encode_images(pixels)
+            for (_, _, h), f in zip(todo, feats, strict=True):
+                self.vision_cache[h] = f
+        for seq in seqs:
+            if seq.mm is not None and seq.mm.features is None:
+                rows = [self.vision_cache[h] for h in seq.mm.image_hashes]
+                for h in seq.mm.image_hashes:
+                    self.vision_cache.move_to_end(h)
+                seq.mm.features = torch.cat(rows, dim=0)
+        while len(self.vision_cache) > self.vision_cache_size:
+            self.vision_cache.popitem(last=False)
+
+    def _slots(self, seq: Sequence, start: int, n: int) -> np.ndarray:
+        pos = np.arange(start, start + n)
+        table = np.asarray(seq.block_table, dtype=np.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                        tuple[torch.Tensor, torch.Tensor] | None, list[int]]:
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        spans: list[PrefillSpan] = []
+        mm_idx: list[np.ndarray] = []
+        mm_rows: list[torch.Tensor] = []
+        logit_rows: list[int] = []
+        dev = self.device
+        for s in sched.prefills:
+            seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
+            start = len(ids)
+            ids.extend(seq.token_ids[c:c + n])
+            positions.append(np.arange(c, c + n))
+            slots.append(self._slots(seq, c, n))
+            table = None if c == 0 else torch.tensor(seq.block_table[: -(-(c + n) // self.block_size)], device=dev)
+            mask = None if c == 0 else causal_mask_with_prefix(n, c + n, dev)
+            spans.append(PrefillSpan(start, n, c + n, table, mask))
+            if seq.mm is not None and c < seq.num_prompt_tokens:
+                lo, hi = np.searchsorted(seq.mm.positions, [c, c + n])
+                if hi > lo:
+                    mm_idx.append(seq.mm.positions[lo:hi] - c + start)
+                    mm_rows.append(seq.mm.features[lo:hi])
+            if s.samples:
+                logit_rows.append(start + n - 1)
+        num_prefill = len(ids)
+        decode_tables = decode_mask = None
+        if sched.decodes:
+            b = len(sched.decodes)
+            lens = np.empty(b, dtype=np.int64)
+            max_blocks = max(len(s.seq.block_table) for s in sched.decodes)
+            tables = np.zeros((b, max_blocks), dtype=np.int64)
+            for j, s in enumerate(sched.decodes):
+                seq = s.seq
+                c = seq.num_computed_tokens
+                ids.append(seq.token_ids[c])
+                lens[j] = c + 1
+                tables[j, : len(seq.block_table)] = seq.block_table
+                logit_rows.append(num_prefill + j)
+                if seq.mm is not None and c < seq.num_prompt_tokens:
+                    r = int(np.searchsorted(seq.mm.positions, c))
+                    if r < len(seq.mm.positions) and seq.mm.positions[r] == c:
+                        mm_idx.append(np.array([num_prefill + j]))
+                        mm_rows.append(seq.mm.features[r:r + 1])
+            positions.append(lens - 1)
+            slots.append(tables[np.arange(b), (lens - 1) // self.block_size] * self.block_size + (lens - 1) % self.block_size)
+            decode_tables = torch.from_numpy(tables).to(dev)
+            key_pos = torch.arange(max_blocks * self.block_size, device=dev)
+            decode_mask = (key_pos.unsqueeze(0) < torch.from_numpy(lens).to(dev).unsqueeze(1)).view(b, 1, 1, -1)
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev), prefills=spans,
+                                 num_prefill_tokens=num_prefill, decode_block_tables=decode_tables, decode_mask=decode_mask)
+        mm = None
+        if mm_idx:
+            mm = (torch.from_numpy(np.concatenate(mm_idx)).to(dev), torch.cat(mm_rows, dim=0))
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos = torch.from_numpy(np.concatenate(positions)).to(dev)
+        return input_ids, pos, meta, mm, logit_rows
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Run the step; returns float32 logits [S, vocab] for the scheduled sequences that sample, in the order
+        prefills-then-decodes."""
+        self.encode_pending_images([s.seq for s in sched.prefills + sched.decodes])
+        input_ids, pos, meta, mm, logit_rows = self.prepare(sched)
+        hidden = self.model(input_ids, self.rope.tables(pos, self.dtype), meta, self.kv_cache, mm)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        return self.model.text.logits(hidden.index_select(0, rows))
+
+
+def sampling_order(sched: SchedulerOutput) -> list[ScheduledSeq]:
+    """The scheduled sequences that sample this step, in the row order of :meth:`ModelRunner.execute`'s logits."""
+    return [s for s in sched.prefills + sched.decodes if s.samples]

@@ -1,0 +1,109 @@
+"""Continuous batching with chunked prefill and preemption.
+
+Queues a request moves through: ``waiting`` (admitted, no blocks) -> ``running`` (holds blocks; prefilling in
+chunks, then decoding one token per step) -> finished (blocks released). Under block pressure the most recently
+admitted running sequence is preempted: its blocks are freed (their hashes stay cached) and it returns to the front
+of ``waiting`` to be recomputed, prompt plus tokens generated so far.
+
+Each step spends at most ``max_num_batched_tokens``: running sequences first (decodes cost one token, a pending
+prefill chunk as much as the budget allows), then new admissions in arrival order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # new tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the sequence's tokens, so its next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[ScheduledSeq]  # chunks of more than one token
+    decodes: list[ScheduledSeq]  # exactly one token each
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chosen: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.append_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                chosen.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            hits = self.bm.lookup_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
+            if not self.bm.can_allocate(seq, hits, n):
+                break
+            self.waiting.popleft()
+            self.bm.allocate_prefix(seq, hits)
+            if not seq.metrics.first_scheduled_time:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            ok = self.bm.append_slots(seq, n)
+            assert ok, "can_allocate promised the blocks"
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chosen.append(ScheduledSeq(seq, n))
+            budget -= n
+        return SchedulerOutput(prefills=[s for s in chosen if s.num_tokens > 1],
+                               decodes=[s for s in chosen if s.num_tokens == 1], preempted=preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished and release its blocks; works in any queue."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

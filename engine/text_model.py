@@ -1,0 +1,87 @@
+"""Decoder-only text model (Qwen3-MoE, Mixtral, Qwen3, Llama, Mistral) over the paged KV pool.
+
+Input is a flat batch of tokens (see :mod:`engine.attention`); hidden states are ``[T, hidden]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.config import TextConfig
+from engine.layers import apply_rotary, rms_norm
+from engine.moe import DenseMlp, SparseMoe
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.eps = cfg.rms_norm_eps
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(self.d))
+            self.k_norm = nn.Parameter(torch.ones(self.d))
+        self.scale = self.d ** -0.5
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
+        if self.qk_norm:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp: nn.Module = SparseMoe(cfg) if cfg.moe_layers[layer_idx] else DenseMlp(cfg)
+        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), rope, meta, k_cache, v_cache)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, embeds: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x = embeds
+        for layer, (kc, vc) in zip(self.layers, kv_cache, strict=True):
+            x = layer(x, rope, meta, kc, vc)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on the selected rows, returned in float32."""
+        return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
+
+    def moe_counts(self) -> torch.Tensor:
+        """[num_layers, num_experts] tokens routed to each expert since the last reset (0 rows for dense layers)."""
+        e = max(self.cfg.num_experts, 1)
+        rows = [m.mlp.expert_counts if isinstance(m.mlp, SparseMoe) else torch.zeros(e, dtype=torch.int64,
+                device=self.norm.device) for m in self.layers]
+        return torch.stack(rows)
+
+    def reset_moe_counts(self) -> None:
+        for m in self.layers:
+            if isinstance(m.mlp, SparseMoe):
+                m.mlp.expert_counts.zero_()
