@@ -1,0 +1,75 @@
+"""The ``duet`` command line.
+
+``duet generate [MODEL_DIR] (--prompt TEXT | --token-ids 1,2,3) [--image PATH ...]`` runs one request offline;
+``duet bench engine [MODEL_DIR]`` benchmarks the engine against transformers. Errors a user can cause print one line
+and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine.errors import DuetError
+
+EXIT_USAGE = 2
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--token-ids must be comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="duet", description="Duet: disaggregated serving for multimodal MoE models")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="run one prompt through the engine (offline)")
+    g.add_argument("model_dir", nargs="?", help="checkpoint directory (default: the embedded demo model)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text; each <image> marks where an --image goes")
+    src.add_argument("--token-ids", type=_token_ids, help="input ids exactly as transformers takes them")
+    g.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    b = sub.add_parser("bench", help="benchmarks (table + JSON)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from cluster.bench.engine_bench import add_arguments
+
+    add_arguments(bsub.add_parser("engine", help="engine vs transformers generate, same checkpoint, same run"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            from cluster.generate_cmd import run_generate
+
+            return run_generate(args)
+        if args.command == "bench" and args.bench == "engine":
+            from cluster.bench.engine_bench import run
+
+            return run(args)
+    except DuetError as e:
+        print(f"duet: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    return EXIT_USAGE
+
+
+def print_json(obj: object) -> None:
+    print(json.dumps(obj, indent=None, separators=(", ", ": ")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
