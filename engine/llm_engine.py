@@ -15,6 +15,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu_tuning import tune_malloc
 from engine.errors import CheckpointError, InvalidRequestError
 from engine.image_processor import ImageProcessor
 from engine.inputs import InputProcessor
@@ -37,6 +38,8 @@ class LLMEngine:
         self.model_config = cfg = ModelConfig.from_pretrained(self.model_dir)
         self.dtype = config.torch_dtype(cfg)
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            tune_malloc()
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidRequestError("device 'cuda' requested but CUDA is not available")
         self.model = LlavaModel.load(self.model_dir, cfg, self.dtype, self.device)

@@ -113,6 +113,8 @@ def fuse(t: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor
         t[f"{base}gate_up_proj"], t[f"{base}down_proj"] = torch.stack(gu), torch.stack(down)
     for key in [k for k in t if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj")]:
         t[key.replace("experts.", "")] = t.pop(key)
+    for key in [k for k in t if k.endswith(("mlp.gate_up_proj", "mlp.down_proj"))]:
+        t[key] = t[key].transpose(1, 2).contiguous()  # [E, out, in] -> the runtime's input-major [E, in, out]
     return t
 
 
@@ -128,8 +130,6 @@ def load_weights(model: nn.Module, model_dir: Path, num_experts: int, dtype: tor
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
     for name, param in expected.items():
         src = tensors[name]
-        if src.shape != param.shape and name.endswith(("gate_up_proj", "down_proj")) and src.dim() == 3:
-            src = src.transpose(1, 2)  # fused experts stored [E, in, out]
         if src.shape != param.shape:
             raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(src.shape)} != expected {tuple(param.shape)}")
         param.copy_(src.to(dtype))

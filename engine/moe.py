@@ -2,8 +2,8 @@
 
 Routing follows transformers exactly: router logits in the model dtype, softmax in float32, top-k, optional
 renormalisation (``norm_topk_prob``; Mixtral always renormalises), and for Qwen3-MoE a cast of the weights back to
-the model dtype. Execution sorts the (token, slot) pairs by expert and runs one gate/up/down per expert that received
-tokens. ``expert_counts`` accumulates how many tokens each expert received; later stages place experts from it.
+the model dtype. Execution sorts the (token, slot) pairs by expert and runs one grouped GEMM for gate/up and one for
+down over the experts that received tokens. ``expert_counts`` accumulates how many tokens each expert received; later stages place experts from it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ class SparseMoe(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.weights_in_model_dtype = cfg.model_type == "qwen3_moe"
         self.gate = nn.Linear(h, e, bias=False)
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # [E, 2I, H]: gate rows then up rows
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))  # [E, H, I]
+        # Stored input-major for grouped GEMM: x [S, H] @ gate_up_proj[e] [H, 2I] (gate columns, then up columns).
+        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))
+        self.down_proj = nn.Parameter(torch.empty(e, i, h))  # [E, I, H]
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.register_buffer("expert_counts", torch.zeros(e, dtype=torch.int64), persistent=False)
 
@@ -40,24 +41,43 @@ class SparseMoe(nn.Module):
         return weights, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, h = x.shape
         weights, experts = self.route(x)
         flat = experts.view(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.expert_counts += counts
-        token_of = order // self.top_k
-        flat_w = weights.view(-1)[order].unsqueeze(1)
-        out = torch.zeros_like(x)
-        start = 0
-        for e, c in enumerate(counts.tolist()):
-            if c == 0:
-                continue
-            tok = token_of[start:start + c]
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[e]) * flat_w[start:start + c]
-            out.index_add_(0, tok, y.to(out.dtype))
-            start += c
-        return out
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        xs = x[order // self.top_k]  # [S, H], S = T * k, grouped by expert
+        gate, up = grouped_mm(xs, self.gate_up_proj, offsets).chunk(2, dim=-1)
+        y = grouped_mm(self.act(gate) * up, self.down_proj, offsets) * weights.view(-1)[order].unsqueeze(1)
+        combined = torch.empty_like(y)
+        combined[order] = y
+        return combined.view(t, self.top_k, h).sum(dim=1).to(x.dtype)
+
+
+def _native_grouped_mm_ok(x: torch.Tensor) -> bool:
+    if _GROUPED_MM is None:
+        return False
+    if x.device.type == "cpu":
+        return True
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows ``[offsets[e-1], offsets[e])`` of x [S, K] times w[e] [K, N] -> [S, N]; experts with no rows cost nothing."""
+    if _native_grouped_mm_ok(x):
+        return _GROUPED_MM(x, w, offs=offsets)
+    out = x.new_empty(x.shape[0], w.shape[2])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(x[start:end], w[e], out=out[start:end])
+        start = end
+    return out
+
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 class DenseMlp(nn.Module):

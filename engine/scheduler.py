@@ -31,8 +31,8 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
-    prefills: list[ScheduledSeq]  # chunks of more than one token
-    decodes: list[ScheduledSeq]  # exactly one token each
+    prefills: list[ScheduledSeq]  # prompt chunks: more than one token, or one token that does not sample
+    decodes: list[ScheduledSeq]  # exactly one token each, and it samples (the runner gives every decode a logit row)
     preempted: list[Sequence]
 
     @property
@@ -89,8 +89,10 @@ class Scheduler:
             self.running.append(seq)
             chosen.append(ScheduledSeq(seq, n))
             budget -= n
-        return SchedulerOutput(prefills=[s for s in chosen if s.num_tokens > 1],
-                               decodes=[s for s in chosen if s.num_tokens == 1], preempted=preempted)
+        # A one-token chunk in the middle of a prompt (budget nearly spent) is a prefill: it must not sample.
+        decodes = [s for s in chosen if s.num_tokens == 1 and s.samples]
+        return SchedulerOutput(prefills=[s for s in chosen if not (s.num_tokens == 1 and s.samples)],
+                               decodes=decodes, preempted=preempted)
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)

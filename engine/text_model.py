@@ -6,12 +6,15 @@ Input is a flat batch of tokens (see :mod:`engine.attention`); hidden states are
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import TextConfig
 from engine.layers import apply_rotary, rms_norm
 from engine.moe import DenseMlp, SparseMoe
+
+_SPLIT_QKV_MIN_TOKENS = 64
 
 
 class Attention(nn.Module):
@@ -30,7 +33,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        sizes = [self.h * self.d, self.kvh * self.d, self.kvh * self.d]
+        if t >= _SPLIT_QKV_MIN_TOKENS:
+            # Large batches: three GEMMs give contiguous q/k/v, which the element-wise norm/RoPE ops need to be fast.
+            w, b = self.qkv_proj.weight.split(sizes), (self.qkv_proj.bias.split(sizes) if self.qkv_proj.bias is not None
+                                                      else (None, None, None))
+            q, k, v = (F.linear(x, wi, bi) for wi, bi in zip(w, b, strict=True))
+        else:
+            q, k, v = self.qkv_proj(x).split(sizes, dim=-1)
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
         if self.qk_norm:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
