@@ -1,0 +1,1 @@
+"""Control plane: CLI (``duet``), benchmarks, and (next) cluster builder, router, autoscaler, front-ends."""
