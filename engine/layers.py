@@ -32,32 +32,37 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back before the weight multiply, as Llama/Qwen3 do."""
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    """RMSNorm computed in float32 and cast back before the weight multiply, as Llama/Qwen3 do.
+
+    ``weight`` broadcasts against ``x`` (e.g. ``[hidden]``, or ``[heads, head_dim]`` for per-head q/k norms).
+    """
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), eps=eps) * weight
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
 
 class RotaryEmbedding:
-    """Default RoPE (``rope_type: default``). Tables are float32 and built once for ``max_len`` positions."""
+    """Default RoPE (``rope_type: default``). Tables are float32 and built once for ``max_len`` positions.
+
+    ``rotate_half(x) * sin`` equals ``roll(x, d/2) * sin_signed`` with the first half of ``sin`` negated, which
+    turns RoPE into three element-wise ops with no concatenation.
+    """
 
     def __init__(self, head_dim: int, theta: float, max_len: int, device: torch.device | str) -> None:
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
         pos = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        half = head_dim // 2
         self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        self.sin_signed = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1).to(device)
         self.max_len = max_len
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim] in ``dtype`` for the given positions [T]."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+        """cos and signed sin, each [T, 1, head_dim] in ``dtype``, for positions [T]."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin_signed[positions].to(dtype).unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; tables: [T, 1, head_dim] from :meth:`RotaryEmbedding.tables`."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)

@@ -31,6 +31,8 @@ class LlavaModel(nn.Module):
                 buf.zero_()
         with torch.no_grad():
             load_weights(model, Path(model_dir), cfg.text.num_experts, dtype)
+            for layer in model.text.layers:
+                layer.self_attn.finalize()
         return model.eval().requires_grad_(False)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:

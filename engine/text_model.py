@@ -14,10 +14,12 @@ from engine.config import TextConfig
 from engine.layers import apply_rotary, rms_norm
 from engine.moe import DenseMlp, SparseMoe
 
-_SPLIT_QKV_MIN_TOKENS = 64
 
 
 class Attention(nn.Module):
+    """GQA self-attention. One GEMM yields q and k together (so the q/k norms and RoPE run once over all their
+    heads), a second yields v; both outputs are contiguous."""
+
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -30,23 +32,26 @@ class Attention(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(self.d))
         self.scale = self.d ** -0.5
 
+    def qk_norm_weight(self) -> torch.Tensor:
+        """[h + kvh, d]: q_norm for the query heads, k_norm for the key heads."""
+        return torch.cat([self.q_norm.expand(self.h, self.d), self.k_norm.expand(self.kvh, self.d)])
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        sizes = [self.h * self.d, self.kvh * self.d, self.kvh * self.d]
-        if t >= _SPLIT_QKV_MIN_TOKENS:
-            # Large batches: three GEMMs give contiguous q/k/v, which the element-wise norm/RoPE ops need to be fast.
-            w, b = self.qkv_proj.weight.split(sizes), (self.qkv_proj.bias.split(sizes) if self.qkv_proj.bias is not None
-                                                      else (None, None, None))
-            q, k, v = (F.linear(x, wi, bi) for wi, bi in zip(w, b, strict=True))
-        else:
-            q, k, v = self.qkv_proj(x).split(sizes, dim=-1)
-        q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
+        t, nqk = x.shape[0], (self.h + self.kvh) * self.d
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        qk = F.linear(x, w[:nqk], None if b is None else b[:nqk]).view(t, self.h + self.kvh, self.d)
+        v = F.linear(x, w[nqk:], None if b is None else b[nqk:]).view(t, self.kvh, self.d)
         if self.qk_norm:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            qk = rms_norm(qk, self._qk_w, self.eps)
+        qk = apply_rotary(qk, *rope)
+        o = paged_attention(qk[:, : self.h], qk[:, self.h:], v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.h * self.d))
+
+    def finalize(self) -> None:
+        """Precompute derived weights after loading."""
+        if self.qk_norm:
+            self._qk_w = self.qk_norm_weight().contiguous()
 
 
 class DecoderLayer(nn.Module):
