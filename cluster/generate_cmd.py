@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from engine.errors import InvalidRequestError
+from engine.errors import ImageDecodeError, InvalidRequestError
+
+if TYPE_CHECKING:
+    import PIL.Image
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from cluster.cli import print_json
     from cluster.demo import default_model_dir
     from engine import LLM, SamplingParams
-    from engine.image_processor import load_image
 
-    images = [load_image(p) for p in args.image]  # fail on a bad image before loading the model
+    images = [_load_image_file(p) for p in args.image]  # fail on a bad image before loading the model
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed)
@@ -31,3 +34,15 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         print(c.text if llm.get_tokenizer() is not None else " ".join(map(str, c.token_ids)))
     return 0
+
+
+def _load_image_file(path: str) -> PIL.Image.Image:
+    """``load_image``, with the file named in the error (the decoder's own message may not say which file)."""
+    from engine.image_processor import load_image
+
+    try:
+        return load_image(path)
+    except ImageDecodeError as e:
+        if path in str(e):
+            raise
+        raise ImageDecodeError(f"--image {path}: {e}") from None

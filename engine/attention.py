@@ -36,7 +36,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     num_prefill_tokens: int
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] long
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool: key is within the context
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] additive: 0 within the context, -inf after
 
 
 def causal_mask_with_prefix(length: int, context_len: int, device: torch.device) -> torch.Tensor:

@@ -8,10 +8,12 @@ raises a typed :class:`~engine.errors.InvalidRequestError` subclass before anyth
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import PIL.Image
 
 from engine.config import ModelConfig
 from engine.errors import ImageTokenMismatchError, InvalidRequestError, PromptTooLongError, TokenOutOfVocabError
@@ -20,6 +22,7 @@ from engine.sequence import MultiModalInput
 from engine.tokenizer import Tokenizer
 
 IMAGE_TOKEN = "<image>"
+_IMAGE_SOURCES = (PIL.Image.Image, bytes, bytearray, memoryview, str, os.PathLike)
 
 
 @dataclass
@@ -62,6 +65,9 @@ class InputProcessor:
         items = [] if raw is None else raw if isinstance(raw, list | tuple) else [raw]
         if items and self.cfg.vision is None:
             raise InvalidRequestError("this model has no vision tower; it cannot take images")
+        bad = [type(x).__name__ for x in items if not isinstance(x, _IMAGE_SOURCES)]
+        if bad:  # load_image would raise a bare TypeError
+            raise InvalidRequestError(f"an image must be a PIL image, bytes or a file path, got {bad[0]}")
         return [load_image(x) for x in items]
 
     def _check_ids(self, ids: Any) -> list[int]:

@@ -37,7 +37,7 @@ class LLMEngine:
         self.model_dir = Path(model_dir)
         self.model_config = cfg = ModelConfig.from_pretrained(self.model_dir)
         self.dtype = config.torch_dtype(cfg)
-        self.device = torch.device(config.device)
+        self.device = _parse_device(config.device)
         if self.device.type == "cpu":
             tune_malloc()
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -119,8 +119,9 @@ class LLMEngine:
         sampling = sampling_order(sched)
         seqs = [s.seq for s in sampling]
         rows = [r for r, q in enumerate(seqs) if q.num_output_tokens < q.params.min_tokens]
-        suppress_stop_tokens(logits, rows, [self._stop_ids(seqs[r]) for r in rows])
-        tokens = sample(logits, [q.params for q in seqs], [q.generator or self._generator for q in seqs])
+        with torch.inference_mode():  # the runner's logits are inference tensors: edit them in place only in here
+            suppress_stop_tokens(logits, rows, [self._stop_ids(seqs[r]) for r in rows])
+            tokens = sample(logits, [q.params for q in seqs], [q.generator or self._generator for q in seqs])
         for s in sched.prefills + sched.decodes:
             s.seq.num_computed_tokens += s.num_tokens
             self.block_manager.register_computed(s.seq)
@@ -166,3 +167,14 @@ class LLMEngine:
 
     def reset_moe_counts(self) -> None:
         self.model.text.reset_moe_counts()
+
+
+def _parse_device(name: str) -> torch.device:
+    """``torch.device(name)`` for the device types the engine runs on; anything else is a typed, one-line error."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch's message lists every device type it knows
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"unsupported device {name!r} (use 'cpu' or 'cuda[:N]')")
+    return device

@@ -109,7 +109,9 @@ class ModelRunner:
             slots.append(tables[np.arange(b), (lens - 1) // self.block_size] * self.block_size + (lens - 1) % self.block_size)
             decode_tables = torch.from_numpy(tables).to(dev)
             key_pos = torch.arange(max_blocks * self.block_size, device=dev)
-            decode_mask = (key_pos.unsqueeze(0) < torch.from_numpy(lens).to(dev).unsqueeze(1)).view(b, 1, 1, -1)
+            visible = (key_pos.unsqueeze(0) < torch.from_numpy(lens).to(dev).unsqueeze(1)).view(b, 1, 1, -1)
+            # additive float mask, built once per step (a bool mask would be converted by every layer's SDPA)
+            decode_mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev), prefills=spans,
                                  num_prefill_tokens=num_prefill, decode_block_tables=decode_tables, decode_mask=decode_mask)
         mm = None
