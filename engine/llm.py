@@ -42,6 +42,8 @@ class LLM:
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
+        if not isinstance(prompts, list | tuple):
+            raise InvalidRequestError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
