@@ -113,8 +113,6 @@ def fuse(t: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor
         t[f"{base}gate_up_proj"], t[f"{base}down_proj"] = torch.stack(gu), torch.stack(down)
     for key in [k for k in t if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj")]:
         t[key.replace("experts.", "")] = t.pop(key)
-    for key in [k for k in t if k.endswith(("mlp.gate_up_proj", "mlp.down_proj"))]:
-        t[key] = t[key].transpose(1, 2).contiguous()  # [E, out, in] -> the runtime's input-major [E, in, out]
     return t
 
 

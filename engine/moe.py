@@ -24,9 +24,11 @@ class SparseMoe(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.weights_in_model_dtype = cfg.model_type == "qwen3_moe"
         self.gate = nn.Linear(h, e, bias=False)
-        # Stored input-major for grouped GEMM: x [S, H] @ gate_up_proj[e] [H, 2I] (gate columns, then up columns).
-        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))
-        self.down_proj = nn.Parameter(torch.empty(e, i, h))  # [E, I, H]
+        # Output-major, as transformers stores them: [E, 2I, H] (gate rows, then up rows) and [E, H, I]. Grouped GEMM
+        # takes transposed views; measured faster than input-major copies for both decode (few rows per expert)
+        # and prefill shapes.
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.register_buffer("expert_counts", torch.zeros(e, dtype=torch.int64), persistent=False)
 
@@ -49,8 +51,8 @@ class SparseMoe(nn.Module):
         self.expert_counts += counts
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         xs = x[order // self.top_k]  # [S, H], S = T * k, grouped by expert
-        gate, up = grouped_mm(xs, self.gate_up_proj, offsets).chunk(2, dim=-1)
-        y = grouped_mm(self.act(gate) * up, self.down_proj, offsets) * weights.view(-1)[order].unsqueeze(1)
+        gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offsets).chunk(2, dim=-1)
+        y = grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offsets) * weights.view(-1)[order].unsqueeze(1)
         combined = torch.empty_like(y)
         combined[order] = y
         return combined.view(t, self.top_k, h).sum(dim=1).to(x.dtype)
@@ -65,7 +67,8 @@ def _native_grouped_mm_ok(x: torch.Tensor) -> bool:
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows ``[offsets[e-1], offsets[e])`` of x [S, K] times w[e] [K, N] -> [S, N]; experts with no rows cost nothing."""
+    """Rows ``[offsets[e-1], offsets[e])`` of x [S, K] times w[e] [K, N] (any strides) -> [S, N]; experts with no
+    rows cost nothing."""
     if _native_grouped_mm_ok(x):
         return _GROUPED_MM(x, w, offs=offsets)
     out = x.new_empty(x.shape[0], w.shape[2])
