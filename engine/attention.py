@@ -2,7 +2,8 @@
 
 The pool holds, per layer, ``k`` and ``v`` tensors of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 A step's tokens arrive flattened: first every prefill chunk (one span per sequence), then one token per decoding
-sequence. :class:`AttentionMetadata` is built once per step by the model runner and shared by all layers, so a
+sequence. Prefill chunks with earlier context read it from the pool; decoding sequences read their contiguous mirror
+rows (:mod:`engine.decode_mirror`). :class:`AttentionMetadata` is built once per step by the model runner and shared by all layers, so a
 layer's Python work is O(prefill spans + 1), never O(tokens) or O(blocks).
 """
 
@@ -31,12 +32,22 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeBatch:
+    """The decoding sequences of a step, in mirror-slot order (see :mod:`engine.decode_mirror`)."""
+
+    slots: torch.Tensor  # [B] long: each sequence's mirror row
+    write_pos: torch.Tensor  # [B] long: position of the token computed this step (= context length - 1)
+    max_len: int  # longest context in the batch, this step's token included
+    dense: bool  # slots are exactly 0..B-1, so the batch is a view of the mirror
+    mask: torch.Tensor  # [B, 1, 1, max_len] additive: 0 within each context, -inf after
+
+
+@dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] long: flat slot (block * block_size + offset) each new key is written to
+    slot_mapping: torch.Tensor  # [T] long: flat pool slot (block * block_size + offset) each new key is written to
     prefills: list[PrefillSpan]
     num_prefill_tokens: int
-    decode_block_tables: torch.Tensor | None  # [B, max_blocks] long
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] additive: 0 within the context, -inf after
+    decode: DecodeBatch | None
 
 
 def causal_mask_with_prefix(length: int, context_len: int, device: torch.device) -> torch.Tensor:
@@ -45,12 +56,13 @@ def causal_mask_with_prefix(length: int, context_len: int, device: torch.device)
     return torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Store the step's new keys/values in the pool, then attend.
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Store the step's new keys/values in the pool (and the decode mirror), then attend.
 
-    q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D].
+    q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D].
     """
+    k_cache, v_cache = kv.k, kv.v
     nb, bs, kvh, d = k_cache.shape
     k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v)
@@ -68,13 +80,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
                                                attn_mask=span.mask, scale=scale, enable_gqa=True)
         out[s:e] = o.squeeze(0).transpose(0, 1)
-    if meta.decode_block_tables is not None:
+    dec = meta.decode
+    if dec is not None:
         p = meta.num_prefill_tokens
-        bt = meta.decode_block_tables
-        b = bt.shape[0]
-        kd = k_cache[bt].view(b, -1, kvh, d).transpose(1, 2)
-        vd = v_cache[bt].view(b, -1, kvh, d).transpose(1, 2)
-        qd = q[p:].unsqueeze(2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        kv.mirror_k[dec.slots, :, dec.write_pos] = k[p:]
+        kv.mirror_v[dec.slots, :, dec.write_pos] = v[p:]
+        b = dec.slots.shape[0]
+        if dec.dense:
+            kd, vd = kv.mirror_k[:b, :, : dec.max_len], kv.mirror_v[:b, :, : dec.max_len]
+        else:
+            kd, vd = kv.mirror_k[dec.slots, :, : dec.max_len], kv.mirror_v[dec.slots, :, : dec.max_len]
+        o = F.scaled_dot_product_attention(q[p:].unsqueeze(2), kd, vd, attn_mask=dec.mask, scale=scale,
+                                           enable_gqa=True)
         out[p:] = o.squeeze(2)
     return out
+
+
+@dataclass
+class LayerKV:
+    """One layer's KV storage: the paged pool ``[num_blocks, block_size, KVH, D]`` and the decode mirror
+    ``[slots, KVH, capacity, D]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mirror_k: torch.Tensor
+    mirror_v: torch.Tensor

@@ -20,7 +20,7 @@ from engine.errors import CheckpointError, InvalidRequestError
 from engine.image_processor import ImageProcessor
 from engine.inputs import InputProcessor
 from engine.model import LlavaModel
-from engine.model_runner import ModelRunner, sampling_order
+from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampler import sample, suppress_stop_tokens
 from engine.sampling_params import SamplingParams
@@ -55,7 +55,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
-                                  max_model_len=max_len, dtype=self.dtype, device=self.device,
+                                  max_model_len=max_len, max_num_seqs=config.max_num_seqs, dtype=self.dtype,
+                                  device=self.device,
                                   vision_cache_size=config.vision_cache_size)
         self.inputs = InputProcessor(cfg, self.tokenizer, self.image_processor, max_len)
         self.requests: dict[str, Sequence] = {}
@@ -99,7 +100,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq, "abort")
+        self._finish(seq, "abort")
         seq.metrics.finished_time = time.perf_counter()
         return True
 
@@ -110,13 +111,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One schedule -> run -> postprocess iteration. Returns an output for each request that got a token."""
         sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self.runner.release(seq)
         if sched.empty:
             return []
         now = time.perf_counter()
         for s in sched.prefills + sched.decodes:
             s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
-        logits = self.runner.execute(sched)
-        sampling = sampling_order(sched)
+        logits, sampling = self.runner.execute(sched)
         seqs = [s.seq for s in sampling]
         rows = [r for r, q in enumerate(seqs) if q.num_output_tokens < q.params.min_tokens]
         with torch.inference_mode():  # the runner's logits are inference tensors: edit them in place only in here
@@ -139,6 +141,10 @@ class LLMEngine:
             outputs.append(self.make_output(seq))
         return outputs
 
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.runner.release(seq)
+
     def _stop_ids(self, seq: Sequence) -> list[int]:
         return list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else self.eos_token_ids)
 
@@ -147,11 +153,11 @@ class LLMEngine:
         if seq.num_output_tokens >= p.min_tokens:
             if tok in p.stop_token_ids:
                 seq.stop_reason = tok
-                return self.scheduler.finish(seq, "stop")
+                return self._finish(seq, "stop")
             if not p.ignore_eos and tok in self.eos_token_ids:
-                return self.scheduler.finish(seq, "stop")
+                return self._finish(seq, "stop")
         if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            self.scheduler.finish(seq, "length")
+            self._finish(seq, "length")
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         finished = seq.finish_reason is not None

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, LayerKV
 from engine.config import ModelConfig
 from engine.loader import load_weights
 from engine.text_model import TextModel
@@ -41,7 +41,7 @@ class LlavaModel(nn.Module):
         return self.vision(pixel_values)
 
     def forward(self, input_ids: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+                kv_cache: list[LayerKV],
                 mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids [T] -> hidden [T, H]. ``mm`` = (flat token indices [M], features [M, H]) spliced over the
         embeddings of image placeholder tokens."""

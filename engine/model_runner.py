@@ -1,7 +1,8 @@
 """Runs one scheduled step through the model: builds the flat batch and attention metadata, encodes pending
 images (with a content-hash cache), runs the decoder, and returns logits for the rows that sample.
 
-Owns the KV pool tensors: per layer ``(k, v)`` each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Owns the KV pool tensors (per layer ``(k, v)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``) and the
+decode mirror (:mod:`engine.decode_mirror`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSpan, causal_mask_with_prefix
+from engine.attention import AttentionMetadata, DecodeBatch, LayerKV, PrefillSpan, causal_mask_with_prefix
+from engine.decode_mirror import DecodeKVMirror
 from engine.layers import RotaryEmbedding
 from engine.model import LlavaModel
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -19,21 +21,29 @@ from engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: LlavaModel, *, num_blocks: int, block_size: int, max_model_len: int,
+    def __init__(self, model: LlavaModel, *, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  dtype: torch.dtype, device: torch.device, vision_cache_size: int = 64) -> None:
         t = model.cfg.text
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
         shape = (num_blocks, block_size, t.num_kv_heads, t.head_dim)
-        self.kv_cache = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                         for _ in range(t.num_layers)]
+        self.pool = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                     for _ in range(t.num_layers)]
+        self.mirror = DecodeKVMirror(t.num_layers, max_num_seqs, t.num_kv_heads, t.head_dim, dtype, device)
         self.rope = RotaryEmbedding(t.head_dim, t.rope_theta, max_model_len, device)
         self.vision_cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.vision_cache_size = vision_cache_size
 
     @property
     def kv_bytes_per_token(self) -> int:
-        k, _ = self.kv_cache[0]
-        return 2 * len(self.kv_cache) * k.shape[2] * k.shape[3] * k.element_size()
+        k, _ = self.pool[0]
+        return 2 * len(self.pool) * k.shape[2] * k.shape[3] * k.element_size()
+
+    def kv_layers(self) -> list[LayerKV]:
+        return [LayerKV(k, v, mk, mv) for (k, v), mk, mv in zip(self.pool, self.mirror.k, self.mirror.v, strict=True)]
+
+    def release(self, seq: Sequence) -> None:
+        """Drop ``seq``'s decode staging (call when it finishes, is aborted or preempted)."""
+        self.mirror.release(seq.seq_id)
 
     def encode_pending_images(self, seqs: list[Sequence]) -> None:
         """Compute image features for sequences scheduled for the first time, reusing cached encodings."""
@@ -61,7 +71,8 @@ class ModelRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                        tuple[torch.Tensor, torch.Tensor] | None, list[int]]:
+                                                        tuple[torch.Tensor, torch.Tensor] | None, list[int],
+                                                        list[ScheduledSeq]]:
         ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -87,18 +98,24 @@ class ModelRunner:
             if s.samples:
                 logit_rows.append(start + n - 1)
         num_prefill = len(ids)
-        decode_tables = decode_mask = None
+        decode = None
+        order = list(sched.prefills)
         if sched.decodes:
-            b = len(sched.decodes)
+            for s in sched.decodes:
+                c = s.seq.num_computed_tokens
+                self.mirror.assign(s.seq.seq_id, c, self.pool, s.seq.block_table, c + 1)
+            decodes = sorted(sched.decodes, key=lambda s: self.mirror.slot_of[s.seq.seq_id])
+            order += decodes
+            b = len(decodes)
             lens = np.empty(b, dtype=np.int64)
-            max_blocks = max(len(s.seq.block_table) for s in sched.decodes)
-            tables = np.zeros((b, max_blocks), dtype=np.int64)
-            for j, s in enumerate(sched.decodes):
+            slot_ids = np.empty(b, dtype=np.int64)
+            for j, s in enumerate(decodes):
                 seq = s.seq
                 c = seq.num_computed_tokens
                 ids.append(seq.token_ids[c])
                 lens[j] = c + 1
-                tables[j, : len(seq.block_table)] = seq.block_table
+                slot_ids[j] = self.mirror.slot_of[seq.seq_id]
+                slots.append(self._slots(seq, c, 1))
                 logit_rows.append(num_prefill + j)
                 if seq.mm is not None and c < seq.num_prompt_tokens:
                     r = int(np.searchsorted(seq.mm.positions, c))
@@ -106,32 +123,28 @@ class ModelRunner:
                         mm_idx.append(np.array([num_prefill + j]))
                         mm_rows.append(seq.mm.features[r:r + 1])
             positions.append(lens - 1)
-            slots.append(tables[np.arange(b), (lens - 1) // self.block_size] * self.block_size + (lens - 1) % self.block_size)
-            decode_tables = torch.from_numpy(tables).to(dev)
-            key_pos = torch.arange(max_blocks * self.block_size, device=dev)
-            visible = (key_pos.unsqueeze(0) < torch.from_numpy(lens).to(dev).unsqueeze(1)).view(b, 1, 1, -1)
+            max_len = int(lens.max())
+            lens_t = torch.from_numpy(lens).to(dev)
+            visible = (torch.arange(max_len, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)).view(b, 1, 1, max_len)
             # additive float mask, built once per step (a bool mask would be converted by every layer's SDPA)
-            decode_mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+            dense = bool((slot_ids == np.arange(b)).all())
+            decode = DecodeBatch(torch.from_numpy(slot_ids).to(dev), lens_t - 1, max_len, dense, mask)
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev), prefills=spans,
-                                 num_prefill_tokens=num_prefill, decode_block_tables=decode_tables, decode_mask=decode_mask)
+                                 num_prefill_tokens=num_prefill, decode=decode)
         mm = None
         if mm_idx:
             mm = (torch.from_numpy(np.concatenate(mm_idx)).to(dev), torch.cat(mm_rows, dim=0))
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.from_numpy(np.concatenate(positions)).to(dev)
-        return input_ids, pos, meta, mm, logit_rows
+        return input_ids, pos, meta, mm, logit_rows, [s for s in order if s.samples]
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Run the step; returns float32 logits [S, vocab] for the scheduled sequences that sample, in the order
-        prefills-then-decodes."""
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """Run the step. Returns float32 logits [S, vocab] for the scheduled sequences that sample, and those
+        sequences in row order (prefills first, then decodes in mirror-slot order)."""
         self.encode_pending_images([s.seq for s in sched.prefills + sched.decodes])
-        input_ids, pos, meta, mm, logit_rows = self.prepare(sched)
-        hidden = self.model(input_ids, self.rope.tables(pos, self.dtype), meta, self.kv_cache, mm)
+        input_ids, pos, meta, mm, logit_rows, sampling = self.prepare(sched)
+        hidden = self.model(input_ids, self.rope.tables(pos, self.dtype), meta, self.kv_layers(), mm)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        return self.model.text.logits(hidden.index_select(0, rows))
-
-
-def sampling_order(sched: SchedulerOutput) -> list[ScheduledSeq]:
-    """The scheduled sequences that sample this step, in the row order of :meth:`ModelRunner.execute`'s logits."""
-    return [s for s in sched.prefills + sched.decodes if s.samples]
+        return self.model.text.logits(hidden.index_select(0, rows)), sampling

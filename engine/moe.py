@@ -50,12 +50,11 @@ class SparseMoe(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.expert_counts += counts
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        xs = x[order // self.top_k]  # [S, H], S = T * k, grouped by expert
+        token = order // self.top_k
+        xs = x[token]  # [S, H], S = T * k, grouped by expert
         gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offsets).chunk(2, dim=-1)
         y = grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offsets) * weights.view(-1)[order].unsqueeze(1)
-        combined = torch.empty_like(y)
-        combined[order] = y
-        return combined.view(t, self.top_k, h).sum(dim=1).to(x.dtype)
+        return torch.zeros(t, h, dtype=y.dtype, device=y.device).index_add_(0, token, y).to(x.dtype)
 
 
 def _native_grouped_mm_ok(x: torch.Tensor) -> bool:

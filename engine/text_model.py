@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, LayerKV, paged_attention
 from engine.config import TextConfig
 from engine.layers import apply_rotary, rms_norm
 from engine.moe import DenseMlp, SparseMoe
@@ -37,7 +37,7 @@ class Attention(nn.Module):
         return torch.cat([self.q_norm.expand(self.h, self.d), self.k_norm.expand(self.kvh, self.d)])
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                kv: LayerKV) -> torch.Tensor:
         t, nqk = x.shape[0], (self.h + self.kvh) * self.d
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
         qk = F.linear(x, w[:nqk], None if b is None else b[:nqk]).view(t, self.h + self.kvh, self.d)
@@ -45,7 +45,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             qk = rms_norm(qk, self._qk_w, self.eps)
         qk = apply_rotary(qk, *rope)
-        o = paged_attention(qk[:, : self.h], qk[:, self.h:], v, k_cache, v_cache, meta, self.scale)
+        o = paged_attention(qk[:, : self.h], qk[:, self.h:], v, kv, meta, self.scale)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
     def finalize(self) -> None:
@@ -64,8 +64,8 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), rope, meta, k_cache, v_cache)
+                kv: LayerKV) -> torch.Tensor:
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), rope, meta, kv)
         return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
 
 
@@ -79,10 +79,10 @@ class TextModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, embeds: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_cache: list[LayerKV]) -> torch.Tensor:
         x = embeds
-        for layer, (kc, vc) in zip(self.layers, kv_cache, strict=True):
-            x = layer(x, rope, meta, kc, vc)
+        for layer, kv in zip(self.layers, kv_cache, strict=True):
+            x = layer(x, rope, meta, kv)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""Contiguous staging copies of the KV of decoding sequences (CPU/GPU, pure torch).
+
+The paged pool stays the source of truth (prefix caching and KV transfer read it). Gathering every decoding
+sequence's blocks into a dense batch on every step and layer would copy the whole context each time; instead each
+decoding sequence owns a *slot* — a row of per-layer tensors ``[slots, kv_heads, capacity, head_dim]`` (the layout
+attention reads, so a batch needs no transpose copy) — filled from
+the pool once when it starts decoding and then appended to one token per step. Slots are kept dense (a released slot
+takes the last slot's row), so when every decoding sequence is scheduled the batch is the view ``[:B, :max_len]``.
+
+Call contract (model runner): ``assign`` before the step for each decoding sequence (fills new slots from the pool),
+``release`` when a sequence finishes, is aborted or preempted. Memory: ``slots x capacity x kv_bytes_per_token``,
+grown by doubling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DecodeKVMirror:
+    def __init__(self, num_layers: int, max_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, initial_capacity: int = 256, initial_slots: int = 8) -> None:
+        self.num_layers, self.max_slots = num_layers, max_slots
+        self.shape_tail = (kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.slot_of: dict[int, int] = {}
+        self.seq_in_slot: list[int] = []
+        self._alloc(min(initial_slots, max_slots), initial_capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    def _alloc(self, slots: int, capacity: int) -> None:
+        shape = (slots, self.shape_tail[0], capacity, self.shape_tail[1])
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        if self.k:
+            s, c = self.k[0].shape[0], self.k[0].shape[2]
+            for old, new in zip(self.k + self.v, new_k + new_v, strict=True):
+                new[:s, :, :c] = old
+        self.k, self.v = new_k, new_v
+
+    def _ensure(self, slots: int, length: int) -> None:
+        cur_slots, cap = self.k[0].shape[0], self.k[0].shape[2]
+        if slots <= cur_slots and length <= cap:
+            return
+        new_slots, new_cap = cur_slots, cap
+        while new_slots < slots:
+            new_slots = min(self.max_slots, 2 * new_slots)
+        while new_cap < length:
+            new_cap *= 2
+        self._alloc(new_slots, new_cap)
+
+    def assign(self, seq_id: int, num_cached: int, pool: list[tuple[torch.Tensor, torch.Tensor]],
+               block_table: list[int], next_len: int) -> int:
+        """Slot of ``seq_id``; a new slot is filled with its first ``num_cached`` tokens from the pool.
+        ``next_len`` is the length after this step (so the capacity can hold it)."""
+        slot = self.slot_of.get(seq_id)
+        if slot is None:
+            slot = len(self.seq_in_slot)
+            assert slot < self.max_slots, "more decoding sequences than max_num_seqs"
+            self._ensure(slot + 1, next_len)
+            self.slot_of[seq_id] = slot
+            self.seq_in_slot.append(seq_id)
+            if num_cached:
+                nb = -(-num_cached // pool[0][0].shape[1])
+                table = torch.tensor(block_table[:nb], device=self.device)
+                for layer, (kc, vc) in enumerate(pool):
+                    self.k[layer][slot, :, :num_cached] = kc[table].flatten(0, 1)[:num_cached].transpose(0, 1)
+                    self.v[layer][slot, :, :num_cached] = vc[table].flatten(0, 1)[:num_cached].transpose(0, 1)
+        else:
+            self._ensure(len(self.seq_in_slot), next_len)
+        return slot
+
+    def release(self, seq_id: int) -> None:
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is None:
+            return
+        last = len(self.seq_in_slot) - 1
+        moved = self.seq_in_slot.pop()
+        if slot != last:
+            for t in self.k + self.v:
+                t[slot] = t[last]
+            self.seq_in_slot[slot] = moved
+            self.slot_of[moved] = slot
+
+    @property
+    def num_active(self) -> int:
+        return len(self.seq_in_slot)
