@@ -7,6 +7,7 @@ attention reads, so a batch needs no transpose copy) — filled from
 the pool once when it starts decoding and then appended to one token per step. Slots are kept dense (a released slot
 takes the last slot's row), so when every decoding sequence is scheduled the batch is the view ``[:B, :max_len]``.
 
+All methods run under ``torch.inference_mode`` (tensors grown during a step are inference tensors).
 Call contract (model runner): ``assign`` before the step for each decoding sequence (fills new slots from the pool),
 ``release`` when a sequence finishes, is aborted or preempted. Memory: ``slots x capacity x kv_bytes_per_token``,
 grown by doubling.
@@ -33,6 +34,7 @@ class DecodeKVMirror:
     def capacity(self) -> int:
         return self.k[0].shape[2]
 
+    @torch.inference_mode()
     def _alloc(self, slots: int, capacity: int) -> None:
         shape = (slots, self.shape_tail[0], capacity, self.shape_tail[1])
         new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
@@ -54,6 +56,7 @@ class DecodeKVMirror:
             new_cap *= 2
         self._alloc(new_slots, new_cap)
 
+    @torch.inference_mode()
     def assign(self, seq_id: int, num_cached: int, pool: list[tuple[torch.Tensor, torch.Tensor]],
                block_table: list[int], next_len: int) -> int:
         """Slot of ``seq_id``; a new slot is filled with its first ``num_cached`` tokens from the pool.
@@ -75,6 +78,7 @@ class DecodeKVMirror:
             self._ensure(len(self.seq_in_slot), next_len)
         return slot
 
+    @torch.inference_mode()
     def release(self, seq_id: int) -> None:
         slot = self.slot_of.pop(seq_id, None)
         if slot is None:

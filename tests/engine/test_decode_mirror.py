@@ -68,3 +68,13 @@ def test_decoders_joining_and_leaving_mid_run_match_solo_runs(make_llm):
         step += 1
     assert [got[f"r{i}"] for i in range(5)] == want
     assert eng.runner.mirror.num_active == 0
+
+
+def test_mirror_growth_during_a_step_then_release_outside_it(make_llm):
+    """More decoders than the mirror's initial slots: it grows inside the step; finishing requests (outside the
+    step) must still be able to compact it."""
+    llm = make_llm(max_num_seqs=12, num_kv_blocks=128)
+    prompts = [make_request(4, seed=i) for i in range(12)]
+    outs = llm.generate(prompts, [greedy(2 + i % 5) for i in range(12)])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2 + i % 5 for i in range(12)]
+    assert llm.engine.runner.mirror.num_active == 0
