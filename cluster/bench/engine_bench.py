@@ -20,9 +20,7 @@ import argparse
 import datetime as dt
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -191,25 +189,12 @@ def _log(msg: str) -> None:
 
 def bench_model_dir() -> Path:
     """The default bench checkpoint, built on first use (atomic rename: a concurrent builder just loses its copy)."""
-    from cluster.demo import duet_home
+    from cluster.demo import cached_model, duet_home
     from engine.checkpoints import make_bench_checkpoint
 
-    target = duet_home() / "models" / BENCH_MODEL_NAME
-    if (target / "config.json").is_file():
-        return target
-    _log(f"building the bench model into {target} (once)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{BENCH_MODEL_NAME}-", dir=target.parent))
-    try:
-        make_bench_checkpoint(tmp / "m")
-        try:
-            (tmp / "m").rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    if not (duet_home() / "models" / BENCH_MODEL_NAME / "config.json").is_file():
+        _log(f"building the bench model into {duet_home() / 'models' / BENCH_MODEL_NAME} (once)")
+    return cached_model(BENCH_MODEL_NAME, make_bench_checkpoint)
 
 
 def _warm_up(llm, hf, token_ids: np.ndarray) -> None:
