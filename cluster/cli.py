@@ -1,7 +1,8 @@
 """The ``duet`` command line.
 
 ``duet generate [MODEL_DIR] (--prompt TEXT | --token-ids 1,2,3) [--image PATH ...]`` runs one request offline;
-``duet bench engine [MODEL_DIR]`` benchmarks the engine against transformers. Errors a user can cause print one line
+``duet bench engine [MODEL_DIR]`` benchmarks the engine against transformers; ``duet bench quality [MODEL_DIR]``
+measures the demo task's accuracy. Errors a user can cause print one line
 and exit with code 2.
 """
 
@@ -40,11 +41,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    g.add_argument("--raw-prompt", action="store_true", help="do not apply the checkpoint's chat template")
+    g.add_argument("--mode", choices=["local", "disagg"], default="local",
+                   help="local: one in-process engine; disagg: prefill and decode actors on Ray")
+    g.add_argument("--prefill", type=int, default=1, help="prefill workers (--mode disagg)")
+    g.add_argument("--decode", type=int, default=1, help="decode workers (--mode disagg)")
+    g.add_argument("--kv-transport", choices=["gloo", "nccl", "grpc", "inproc"], default="gloo",
+                   help="how KV moves from prefill to decode (--mode disagg)")
     b = sub.add_parser("bench", help="benchmarks (table + JSON)")
     bsub = b.add_subparsers(dest="bench", required=True)
     from cluster.bench.engine_bench import add_arguments
 
     add_arguments(bsub.add_parser("engine", help="engine vs transformers generate, same checkpoint, same run"))
+    from cluster.bench.quality_bench import add_arguments as add_quality_arguments
+
+    add_quality_arguments(bsub.add_parser("quality", help="demo-task exact-match accuracy (held-out set)"))
     return p
 
 
@@ -59,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench.engine_bench import run
 
             return run(args)
+        if args.command == "bench" and args.bench == "quality":
+            from cluster.bench.quality_bench import run as run_quality
+
+            return run_quality(args)
     except DuetError as e:
         print(f"duet: error: {e}", file=sys.stderr)
         return EXIT_USAGE

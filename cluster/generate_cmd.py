@@ -1,4 +1,5 @@
-"""``duet generate``: one request through the offline engine."""
+"""``duet generate``: one request through the offline engine (``--mode local``) or a disaggregated cluster of
+prefill and decode actors on Ray (``--mode disagg``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 def run_generate(args: argparse.Namespace) -> int:
     from cluster.cli import print_json
     from cluster.demo import default_model_dir
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
 
     images = [_load_image_file(p) for p in args.image]  # fail on a bad image before loading the model
     try:
@@ -22,18 +23,65 @@ def run_generate(args: argparse.Namespace) -> int:
                                 max_tokens=args.max_tokens, seed=args.seed)
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
-    llm = LLM(args.model_dir or default_model_dir(), dtype=args.dtype, device=args.device, max_num_seqs=1)
-    prompt: dict = {"prompt": args.prompt} if args.prompt is not None else {"prompt_token_ids": args.token_ids}
+    model_dir = str(args.model_dir or default_model_dir())
+    run = _run_disagg if args.mode == "disagg" else _run_local
+    result = run(args, model_dir, images, params)
+    if args.json:
+        print_json(result)
+    else:
+        print(result["text"] if result["text"] else " ".join(map(str, result["token_ids"])))
+    return 0
+
+
+def _prompt(args: argparse.Namespace, tokenizer, images: list) -> dict:
+    """The request: ``--prompt`` goes through the checkpoint's chat template when it has one (``--raw-prompt``
+    skips it); ``--token-ids`` are taken as they are."""
+    if args.prompt is not None:
+        text = args.prompt
+        if tokenizer is not None and not args.raw_prompt:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}]) or text
+        prompt: dict = {"prompt": text}
+    else:
+        prompt = {"prompt_token_ids": args.token_ids}
     if images:
         prompt["multi_modal_data"] = {"image": images}
-    out = llm.generate([prompt], params)[0]
+    return prompt
+
+
+def _run_local(args: argparse.Namespace, model_dir: str, images: list, params) -> dict:
+    from engine import LLM
+
+    llm = LLM(model_dir, dtype=args.dtype, device=args.device, max_num_seqs=1)
+    out = llm.generate([_prompt(args, llm.get_tokenizer(), images)], params)[0]
     c = out.outputs[0]
-    if args.json:
-        print_json({"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
-                    "metrics": {"ttft_s": out.metrics.ttft_s, "tpot_s": out.tpot_s()}})
-    else:
-        print(c.text if llm.get_tokenizer() is not None else " ".join(map(str, c.token_ids)))
-    return 0
+    return {"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
+            "metrics": {"ttft_s": out.metrics.ttft_s, "tpot_s": out.tpot_s()}}
+
+
+def _run_disagg(args: argparse.Namespace, model_dir: str, images: list, params) -> dict:
+    import os
+
+    import ray
+
+    from cluster.disagg import DisaggCluster
+    from cluster.spec import ClusterSpec
+
+    spec = ClusterSpec(model_dir=model_dir, num_prefill=args.prefill, num_decode=args.decode,
+                       transport=args.kv_transport, dtype="float32" if args.dtype == "auto" else args.dtype,
+                       gpus_per_worker=1.0 if args.device == "cuda" else 0.0)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=max(os.cpu_count() or 1, args.prefill + args.decode), include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+    cluster = DisaggCluster(spec)
+    try:
+        c = cluster.generate_batch([_prompt(args, cluster.tokenizer, images)], params)[0]
+    finally:
+        cluster.shutdown()
+        if started:
+            ray.shutdown()
+    return {"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
+            "metrics": {"ttft_s": c.ttft_s, "tpot_s": c.tpot_s}, "kv_transfer": c.kv_transfer}
 
 
 def _load_image_file(path: str) -> PIL.Image.Image:

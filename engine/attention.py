@@ -9,6 +9,7 @@ layer's Python work is O(prefill spans + 1), never O(tokens) or O(blocks).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     num_prefill_tokens: int
     decode: DecodeBatch | None
+    on_layer: Callable[[int], None] | None = None  # called after each decoder layer (KV export for disaggregation)
 
 
 def causal_mask_with_prefix(length: int, context_len: int, device: torch.device) -> torch.Tensor:

@@ -40,5 +40,9 @@ class ImageTokenMismatchError(InvalidRequestError):
     """The number of image placeholder tokens does not match the images given."""
 
 
+class OutOfBlocksError(DuetError):
+    """The KV pool cannot hold the request right now (retry later or on another worker); nothing was reserved."""
+
+
 class RequestAbortedError(DuetError):
     """The request was aborted before it finished."""

@@ -6,6 +6,7 @@ Single process, single thread. Node actors in ``prefill_node/`` and ``decode_nod
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 import logging
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_tuning import tune_malloc
-from engine.errors import CheckpointError, InvalidRequestError
+from engine.errors import CheckpointError, InvalidRequestError, OutOfBlocksError
 from engine.image_processor import ImageProcessor
 from engine.inputs import InputProcessor
 from engine.model import LlavaModel
@@ -25,7 +26,7 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampler import sample, suppress_stop_tokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
         self._generator = torch.Generator().manual_seed(config.seed)
+        # Prefill workers set this: called after each layer with sequences whose prompt KV for it is complete.
+        self.kv_exporter: Callable[[int, list[Sequence]], None] | None = None
+        self.receiving: dict[str, Sequence] = {}
 
     def _size_pool(self) -> tuple[int, int]:
         c, t = self.config, self.model_config.text
@@ -97,6 +101,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. Returns False if it is unknown or already done."""
+        if request_id in self.receiving:
+            return self.release_prefill(request_id)
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
@@ -118,7 +124,7 @@ class LLMEngine:
         now = time.perf_counter()
         for s in sched.prefills + sched.decodes:
             s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
-        logits, sampling = self.runner.execute(sched)
+        logits, sampling = self.runner.execute(sched, self.kv_exporter)
         seqs = [s.seq for s in sampling]
         rows = [r for r, q in enumerate(seqs) if q.num_output_tokens < q.params.min_tokens]
         with torch.inference_mode():  # the runner's logits are inference tensors: edit them in place only in here
@@ -165,6 +171,66 @@ class LLMEngine:
         out = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, seq.logits)
         return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], [out], finished,
                              seq.metrics, seq.num_cached_tokens)
+
+    # ---------------------------------------------------------------------------- disaggregation: decode-side receive
+    def preallocate(self, request_id: str, prompt: Any, params: SamplingParams | None = None) -> list[int]:
+        """Reserve blocks for a prompt whose KV another worker computes; returns the block ids (in order).
+
+        The request waits in ``receiving`` (not scheduled) until :meth:`commit_prefilled` or
+        :meth:`release_prefill`. Raises OutOfBlocksError (nothing reserved) when the pool cannot hold the prompt now.
+        """
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        params = params or SamplingParams()
+        p = self.inputs.process(prompt)
+        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(p.token_ids),
+                       num_prompt_tokens=len(p.token_ids), params=params, block_size=self.config.block_size,
+                       prompt=p.prompt, mm=p.mm, metrics=RequestMetrics(time.perf_counter()),
+                       logits=[] if params.return_logits else None)
+        if not self.block_manager.can_allocate(seq, [], seq.num_tokens):
+            raise OutOfBlocksError(f"{seq.num_tokens}-token prompt does not fit the free KV blocks now")
+        self.block_manager.append_slots(seq, seq.num_tokens)
+        seq.status = SequenceStatus.RECEIVING
+        self.requests[request_id] = seq
+        self.receiving[request_id] = seq
+        return list(seq.block_table)
+
+    def write_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one received layer of a receiving request's KV (``[num_blocks, block_size, kvh, d]`` each)."""
+        seq = self.receiving[request_id]
+        self.runner.write_layer(seq.block_table, layer, k, v)
+
+    def commit_prefilled(self, request_id: str, first_token: int, generator_state: torch.Tensor | None = None
+                         ) -> RequestOutput:
+        """All layers arrived and verified: the request joins the running batch with its first token (sampled by
+        the prefill worker). Returns the output after that token (finished if it already ended the request)."""
+        seq = self.receiving.pop(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.register_computed(seq)
+        if seq.params.seed is not None:
+            seq.generator = torch.Generator()
+            if generator_state is not None:
+                seq.generator.set_state(generator_state)
+        seq.token_ids.append(int(first_token))
+        seq.metrics.first_token_time = time.perf_counter()
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.running.append(seq)
+        self._check_stop(seq, int(first_token))
+        if seq.finish_reason is not None:
+            seq.metrics.finished_time = seq.metrics.first_token_time
+            self.requests.pop(request_id, None)
+        return self.make_output(seq)
+
+    def release_prefill(self, request_id: str) -> bool:
+        """Give back the blocks of a receiving request (transfer failed, expired or aborted)."""
+        seq = self.receiving.pop(request_id, None)
+        if seq is None:
+            return False
+        self.requests.pop(request_id, None)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return True
 
     # ------------------------------------------------------------------------------------------------------- stats
     def moe_counts(self) -> torch.Tensor:

@@ -8,6 +8,7 @@ decode mirror (:mod:`engine.decode_mirror`).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from engine.attention import AttentionMetadata, DecodeBatch, LayerKV, PrefillSpa
 from engine.decode_mirror import DecodeKVMirror
 from engine.layers import RotaryEmbedding
 from engine.model import LlavaModel
+from engine.moe import SparseMoe
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 
@@ -140,11 +142,74 @@ class ModelRunner:
         return input_ids, pos, meta, mm, logit_rows, [s for s in order if s.samples]
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+    def execute(self, sched: SchedulerOutput, export: Callable[[int, list[Sequence]], None] | None = None
+                ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run the step. Returns float32 logits [S, vocab] for the scheduled sequences that sample, and those
-        sequences in row order (prefills first, then decodes in mirror-slot order)."""
+        sequences in row order (prefills first, then decodes in mirror-slot order).
+
+        ``export(layer, seqs)``, if given, is called right after each decoder layer with the sequences whose prompt
+        KV for that layer became complete in this step (the pool holds it from then on).
+        """
         self.encode_pending_images([s.seq for s in sched.prefills + sched.decodes])
         input_ids, pos, meta, mm, logit_rows, sampling = self.prepare(sched)
+        completing = [s.seq for s in sampling if s.seq.num_output_tokens == 0]
+        if export is not None and completing:
+            meta.on_layer = lambda layer: export(layer, completing)
         hidden = self.model(input_ids, self.rope.tables(pos, self.dtype), meta, self.kv_layers(), mm)
+        if self.track_routing:
+            self._accumulate_routing(sched)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.text.logits(hidden.index_select(0, rows)), sampling
+
+    # ------------------------------------------------------------------ disaggregation: KV export/import, routing hints
+    def gather_layer(self, seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of ``seq``'s blocks for ``layer``: two ``[num_blocks, block_size, kv_heads, head_dim]`` tensors."""
+        table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
+        k, v = self.pool[layer]
+        return k.index_select(0, table), v.index_select(0, table)
+
+    @torch.inference_mode()
+    def write_layer(self, block_ids: list[int], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store received blocks (``[len(block_ids), block_size, kv_heads, head_dim]`` each) into the pool."""
+        table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        kp, vp = self.pool[layer]
+        kp.index_copy_(0, table, k.to(device=kp.device, dtype=kp.dtype))
+        vp.index_copy_(0, table, v.to(device=vp.device, dtype=vp.dtype))
+
+    @property
+    def track_routing(self) -> bool:
+        return any(m.record_routing for m in self._moe_layers())
+
+    @track_routing.setter
+    def track_routing(self, enabled: bool) -> None:
+        for m in self._moe_layers():
+            m.record_routing = enabled
+
+    def _moe_layers(self) -> list[SparseMoe]:
+        return [layer.mlp for layer in self.model.text.layers if isinstance(layer.mlp, SparseMoe)]
+
+    def _accumulate_routing(self, sched: SchedulerOutput) -> None:
+        """Add this step's per-sequence expert choices to ``seq.expert_hist`` ([num_layers, num_experts])."""
+        t = self.model.cfg.text
+        spans = [(s.seq, start, s.num_tokens) for s, start in zip(sched.prefills, _starts(sched.prefills), strict=True)]
+        p = sum(s.num_tokens for s in sched.prefills)
+        spans += [(s.seq, p + j, 1) for j, s in enumerate(sorted(sched.decodes, key=self._slot_key))]
+        for li, layer in enumerate(self.model.text.layers):
+            if not isinstance(layer.mlp, SparseMoe) or layer.mlp.last_experts is None:
+                continue
+            experts = layer.mlp.last_experts.cpu().numpy()
+            for seq, start, n in spans:
+                if seq.expert_hist is None:
+                    seq.expert_hist = np.zeros((t.num_layers, t.num_experts), dtype=np.int64)
+                seq.expert_hist[li] += np.bincount(experts[start:start + n].ravel(), minlength=t.num_experts)
+
+    def _slot_key(self, s: ScheduledSeq) -> int:
+        return self.mirror.slot_of.get(s.seq.seq_id, 0)
+
+
+def _starts(prefills: list[ScheduledSeq]) -> list[int]:
+    out, pos = [], 0
+    for s in prefills:
+        out.append(pos)
+        pos += s.num_tokens
+    return out

@@ -31,6 +31,8 @@ class SparseMoe(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.register_buffer("expert_counts", torch.zeros(e, dtype=torch.int64), persistent=False)
+        self.record_routing = False
+        self.last_experts: torch.Tensor | None = None  # [T, k] of the last forward, when record_routing is set
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k], expert ids [T, k])."""
@@ -45,6 +47,8 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, h = x.shape
         weights, experts = self.route(x)
+        if self.record_routing:
+            self.last_experts = experts
         flat = experts.view(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)

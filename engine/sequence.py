@@ -22,6 +22,7 @@ class SequenceStatus(IntEnum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+    RECEIVING = 3  # decode side of a disaggregated request: blocks reserved, KV arriving from a prefill worker
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Sequence:
     stop_reason: int | None = None
     generator: torch.Generator | None = None
     logits: list[torch.Tensor] | None = None
+    expert_hist: np.ndarray | None = None  # [num_layers, num_experts] routing choices, when the runner tracks them
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
     _block_hashes: list[bytes] = field(default_factory=list)
 

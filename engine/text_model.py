@@ -81,8 +81,10 @@ class TextModel(nn.Module):
     def forward(self, embeds: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 kv_cache: list[LayerKV]) -> torch.Tensor:
         x = embeds
-        for layer, kv in zip(self.layers, kv_cache, strict=True):
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_cache, strict=True)):
             x = layer(x, rope, meta, kv)
+            if meta.on_layer is not None:
+                meta.on_layer(i)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

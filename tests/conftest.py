@@ -109,3 +109,14 @@ def make_llm(tiny_model_dir: Path) -> Iterator[Callable[..., LLM]]:
     yield make
     for llm in made:
         assert_no_leaked_blocks(llm)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for the whole test session (started only by tests that ask for it)."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()

@@ -1,0 +1,301 @@
+"""The disaggregated front-end: starts the prefill and decode actors and serves requests across them.
+
+Request flow (DESIGN.md): validate + tokenize here -> pick a decode worker (most free blocks) -> ``allocate`` gives a
+lease (reserved blocks, transport endpoint, deadline) -> pick a prefill worker (fewest outstanding prompt tokens) ->
+``submit`` (prefill streams KV layer by layer to the lease) -> the decode worker commits the request and streams
+tokens back through :meth:`DecodeActor.poll` (one message per poll for all its requests). A failed transfer or a
+dead worker is retried once on another pair; otherwise the request fails with a typed error. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster import messages
+from cluster.router import WorkerLoad, pick_decode, pick_prefill
+from cluster.spec import ClusterSpec
+from engine import SamplingParams
+from engine.config import ModelConfig
+from engine.errors import DuetError, OutOfBlocksError
+from engine.image_processor import ImageProcessor
+from engine.inputs import InputProcessor
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class TransferFailedError(DuetError):
+    """The request's KV could not be moved to a decode worker, even after a retry."""
+
+
+class RequestTimeoutError(DuetError):
+    """The request did not finish before its deadline."""
+
+
+@dataclass
+class _Worker:
+    load: WorkerLoad
+    actor: Any
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    attempts: int = 1
+    expert_hist: list[list[int]] | None = None
+    kv_transfer: dict | None = None  # transport, bytes, layers, seconds, exposed_seconds
+
+
+class DisaggCluster:
+    """Owns the actors; ``generate`` (async, streaming) and ``generate_batch`` (sync) serve requests."""
+
+    def __init__(self, spec: ClusterSpec, *, ray_address: str | None = None) -> None:
+        import ray
+
+        from decode_node.actor import DecodeActor
+        from prefill_node.actor import PrefillActor
+
+        if not ray.is_initialized():
+            ray.init(address=ray_address, include_dashboard=False, ignore_reinit_error=True,
+                     log_to_driver=False, configure_logging=False)
+        self.spec = spec
+        cfg = ModelConfig.from_pretrained(spec.model_dir)
+        tok = Tokenizer.from_pretrained(spec.model_dir) if (_p(spec.model_dir) / "tokenizer.json").is_file() else None
+        improc = (ImageProcessor.from_pretrained(spec.model_dir, default_image_size=cfg.vision.image_size,
+                                                 vision_model_type=cfg.vision.model_type) if cfg.vision else None)
+        self.tokenizer = tok
+        self.inputs = InputProcessor(cfg, tok, improc, spec.max_model_len or min(cfg.text.max_position_embeddings, 4096))
+        opts = dict(num_cpus=spec.cpus_per_worker, num_gpus=spec.gpus_per_worker, max_concurrency=16)
+        threads = max(1, int(spec.cpus_per_worker))
+        self.prefills = [_Worker(WorkerLoad(f"prefill-{i}"), ray.remote(PrefillActor).options(**opts).remote(
+            f"prefill-{i}", spec.model_dir, spec.engine_config("prefill"), spec.transport, num_threads=threads,
+            stream_layers=spec.stream_layers)) for i in range(spec.num_prefill)]
+        self.decodes = [_Worker(WorkerLoad(f"decode-{i}"), ray.remote(DecodeActor).options(**opts).remote(
+            f"decode-{i}", spec.model_dir, spec.engine_config("decode"), spec.transport, num_threads=threads,
+            lease_base_s=spec.lease_base_s, lease_min_rate_bps=spec.lease_min_rate_bps))
+            for i in range(spec.num_decode)]
+        ray.get([w.actor.ping.remote() for w in self.prefills + self.decodes], timeout=300)
+        for w in self.decodes:
+            w.load.free_blocks = messages.unpack(ray.get(w.actor.stats.remote(), timeout=30))["free_blocks"]
+        self._ids = itertools.count()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._owner: dict[str, str] = {}  # request id -> decode worker id
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="duet-frontend", daemon=True)
+        self._thread.start()
+        self._pollers = [asyncio.run_coroutine_threadsafe(self._poll(w), self._loop) for w in self.decodes]
+
+    # -------------------------------------------------------------------------------------------------- public API
+    async def generate(self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None
+                       ) -> AsyncIterator[dict]:
+        """Stream ``{"token_ids": [...new], "finished": bool, "finish_reason": ...}`` deltas for one request."""
+        params = params or SamplingParams()
+        p = self.inputs.process(prompt)  # typed errors before anything is reserved
+        images = [] if p.mm is None else list(prompt.get("multi_modal_data", {}).get("image") or [])
+        images = images if isinstance(images, list) else [images]
+        wire = messages.prompt_to_wire(p.token_ids, [_as_image(i) for i in images])
+        base_id = request_id or f"req-{next(self._ids)}"
+        tried_d: set[str] = set()
+        tried_p: set[str] = set()
+        deadline = time.monotonic() + self.spec.request_timeout_s
+        for attempt in range(2):
+            rid = base_id if attempt == 0 else f"{base_id}#retry{attempt}"
+            result = self._attempt(rid, wire, params, p, frozenset(tried_d), frozenset(tried_p), deadline)
+            failure = None
+            async for item in result:
+                if "failed" in item:
+                    failure = item
+                    break
+                yield {**item, "attempt": attempt + 1}
+                if item.get("finished"):
+                    return
+            if failure is None:
+                return
+            tried_d.add(failure["decode"])
+            tried_p.add(failure["prefill"])
+            logger.warning("request %s failed on %s/%s (%s); retrying", rid, failure["prefill"], failure["decode"],
+                           failure["failed"])
+        raise TransferFailedError(f"request {base_id} failed after a retry: {failure['failed']}")
+
+    def generate_batch(self, prompts: list[Any], params: SamplingParams | list[SamplingParams] | None = None,
+                       timeout_s: float | None = None) -> list[Completion]:
+        """Run prompts concurrently to completion (sync; for the CLI, tests and benchmarks)."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        fut = asyncio.run_coroutine_threadsafe(self._batch(prompts, plist), self._loop)
+        return fut.result(timeout=timeout_s or self.spec.request_timeout_s + 30)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.prefills + self.decodes:
+            try:
+                ray.get(w.actor.shutdown.remote(), timeout=10)
+            except Exception:  # already dead
+                pass
+            ray.kill(w.actor)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def check_no_leaks(self, timeout_s: float = 10.0) -> dict[str, int]:
+        """Blocks held per live worker once idle (waits up to ``timeout_s`` for in-flight work to drain)."""
+        import ray
+
+        held: dict[str, int] = {}
+        for w in self.prefills + self.decodes:
+            if not w.load.alive:
+                continue
+            end = time.monotonic() + timeout_s
+            while True:
+                r = messages.unpack(ray.get(w.actor.check_no_leaks.remote(), timeout=30))
+                if r["idle"] or time.monotonic() > end:
+                    held[w.load.worker_id] = r["held"]
+                    break
+                time.sleep(0.05)
+        return held
+
+    # -------------------------------------------------------------------------------------------------- internals
+    async def _batch(self, prompts: list[Any], params: list[SamplingParams]) -> list[Completion]:
+        return await asyncio.gather(*(self._collect(p, sp) for p, sp in zip(prompts, params, strict=True)))
+
+    async def _collect(self, prompt: Any, params: SamplingParams) -> Completion:
+        p = self.inputs.process(prompt)
+        c = Completion(request_id="", prompt_token_ids=p.token_ids)
+        t0 = time.perf_counter()
+        last = t0
+        async for item in self.generate(prompt, params):
+            now = time.perf_counter()
+            if item["token_ids"] and c.ttft_s is None:
+                c.ttft_s = now - t0
+            c.token_ids.extend(item["token_ids"])
+            c.request_id, c.attempts, last = item["request_id"], item["attempt"], now
+            c.expert_hist = item.get("expert_hist") or c.expert_hist
+            c.kv_transfer = item.get("kv_transfer") or c.kv_transfer
+            if item.get("finished"):
+                c.finish_reason = item["finish_reason"]
+        if c.ttft_s is not None and len(c.token_ids) > 1:
+            c.tpot_s = (last - t0 - c.ttft_s) / (len(c.token_ids) - 1)
+        c.text = self.tokenizer.decode(c.token_ids) if self.tokenizer else ""
+        return c
+
+    async def _attempt(self, rid: str, wire: dict, params: SamplingParams, p, exclude_d: frozenset[str],
+                       exclude_p: frozenset[str], deadline: float) -> AsyncIterator[dict]:
+        blocks = -(-len(p.token_ids) // self.spec.block_size)
+        decode = self._pick_decode(blocks, exclude_d)
+        prefill = pick_prefill([w.load for w in self.prefills], exclude=exclude_p) or \
+            pick_prefill([w.load for w in self.prefills])
+        if prefill is None:
+            raise TransferFailedError("no live prefill worker")
+        pw = next(w for w in self.prefills if w.load is prefill)
+        import ray
+
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        self._owner[rid] = decode.load.worker_id
+        body = dict(request_id=rid, prompt=wire, params=messages.params_to_dict(params))
+        where = {"decode": decode.load.worker_id, "prefill": prefill.worker_id}
+        try:
+            try:
+                reply = messages.unpack(await _remote(decode.actor.allocate, messages.pack(**body), deadline))
+            except ray.exceptions.RayActorError:
+                decode.load.alive = False
+                yield {"failed": f"decode worker {decode.load.worker_id} is gone", **where}
+                return
+            decode.load.free_blocks = reply["free_blocks"]
+            prefill.outstanding_tokens += len(p.token_ids)
+            try:
+                messages.unpack(await _remote(pw.actor.submit, messages.pack(**body, lease=reply["lease"]), deadline))
+            except ray.exceptions.RayActorError:
+                prefill.alive = False
+                decode.actor.abort.remote(rid)
+                yield {"failed": f"prefill worker {prefill.worker_id} is gone", **where}
+                return
+            finally:
+                prefill.outstanding_tokens -= len(p.token_ids)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RequestTimeoutError(f"request {rid} timed out")
+                item = await asyncio.wait_for(queue.get(), timeout=left)
+                if "failed" in item:
+                    yield {**item, **where}
+                    return
+                yield item
+                if item.get("finished"):
+                    return
+        except (asyncio.TimeoutError, RequestTimeoutError):
+            self._abort(rid, decode, pw)
+            raise RequestTimeoutError(f"request {rid} did not finish within {self.spec.request_timeout_s:.0f} s")
+        except DuetError:
+            self._abort(rid, decode, pw)
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            self._abort(rid, decode, pw)
+            raise
+        finally:
+            self._queues.pop(rid, None)
+            self._owner.pop(rid, None)
+
+    def _pick_decode(self, blocks: int, exclude: frozenset[str]) -> _Worker:
+        load = pick_decode([w.load for w in self.decodes], blocks, exclude=exclude) or \
+            pick_decode([w.load for w in self.decodes], blocks)
+        if load is None:
+            raise OutOfBlocksError(f"no live decode worker has {blocks} free KV blocks")
+        return next(w for w in self.decodes if w.load is load)
+
+    def _abort(self, rid: str, decode: _Worker, prefill: _Worker) -> None:
+        for w in (decode, prefill):
+            if w.load.alive:
+                w.actor.abort.remote(rid)
+
+    async def _poll(self, w: _Worker) -> None:
+        import ray
+
+        while w.load.alive:
+            try:
+                msg = messages.unpack(await asyncio.wait_for(_aref(w.actor.poll.remote(0.05)), timeout=30))
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
+                w.load.alive = False
+                logger.error("decode worker %s is gone: %s", w.load.worker_id, e)
+                for rid, owner in list(self._owner.items()):
+                    if owner == w.load.worker_id and rid in self._queues:
+                        self._queues[rid].put_nowait({"failed": f"decode worker {w.load.worker_id} died"})
+                return
+            w.load.free_blocks = msg["free_blocks"]
+            for ev in msg["events"]:
+                q = self._queues.get(ev["request_id"])
+                if q is not None:
+                    q.put_nowait(ev)
+
+
+def _p(path: str):
+    from pathlib import Path
+
+    return Path(path)
+
+
+def _as_image(x):
+    from engine.image_processor import load_image
+
+    return load_image(x)
+
+
+async def _aref(ref):
+    return await ref
+
+
+async def _remote(method, payload: bytes, deadline: float) -> bytes:
+    left = max(0.1, deadline - time.monotonic())
+    return await asyncio.wait_for(_aref(method.remote(payload)), timeout=left)

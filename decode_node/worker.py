@@ -1,0 +1,144 @@
+"""The decode worker: reserves blocks for incoming requests, receives their KV, and decodes them in one continuous
+batch.
+
+Queues a request moves through: ``allocate`` (blocks reserved, lease issued, receiver registered) -> receiving
+(layers land in the reserved blocks on the transport's thread, each verified first) -> committed when the receiver
+reports SUCCESS (the first token from prefill joins the running batch) -> running (one token per step) -> finished.
+A receiver that FAILS (checksum, missing layer, abort, expired lease, dead peer) releases the blocks and the request
+surfaces as a failure for the router to retry or report; no partially written cache is ever decoded.
+
+Threading: ``poll_transfers``/``step`` run on the worker's loop; the transport's thread only calls the sink, which
+writes under ``recv_lock`` and only while the request is still receiving, so a released block is never written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from kv_transfer import KVLayout, KVManager, KVPoll, KVReceiver, Lease, transfer_deadline
+from prefill_node.worker import generator_from_state
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepReport:
+    """What one loop iteration produced: token outputs, and failures (request id -> reason)."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    routing_hints: dict[str, list[list[int]]] = field(default_factory=dict)
+    transfers: dict[str, dict] = field(default_factory=dict)  # kv_transfer stats of requests committed now
+
+
+@dataclass
+class _TransferClock:
+    started_s: float
+    first_s: float | None = None
+    last_s: float | None = None
+    nbytes: int = 0
+    layers: int = 0
+
+
+class DecodeWorker:
+    def __init__(self, model_dir: str | Path, config: EngineConfig, manager: KVManager, *, lease_base_s: float = 5.0,
+                 lease_min_rate_bps: float = 50e6) -> None:
+        self.lease_base_s, self.lease_min_rate_bps = lease_base_s, lease_min_rate_bps
+        self.engine = LLMEngine(model_dir, config)
+        self.manager = manager
+        t = self.engine.model_config.text
+        dtype = str(self.engine.dtype).removeprefix("torch.")
+        self.layout = KVLayout(t.num_layers, config.block_size, t.num_kv_heads, t.head_dim, dtype)
+        self.receivers: dict[str, KVReceiver] = {}
+        self.clocks: dict[str, _TransferClock] = {}
+        self.recv_lock = threading.Lock()
+
+    @property
+    def free_blocks(self) -> int:
+        return self.engine.block_manager.num_free_blocks
+
+    def allocate(self, request_id: str, prompt: Any, params: SamplingParams) -> Lease:
+        """Reserve blocks and issue a lease. Raises the engine's typed errors (OutOfBlocksError when full)."""
+        with self.recv_lock:
+            blocks = self.engine.preallocate(request_id, prompt, params)
+        nbytes = len(blocks) * self.engine.runner.kv_bytes_per_token * self.layout.block_size
+        lease = Lease(request_id=request_id, num_blocks=len(blocks), layout=self.layout,
+                      transport=self.manager.name, endpoint=self.manager.endpoint,
+                      deadline_s=time.time() + transfer_deadline(nbytes, base_s=self.lease_base_s,
+                                                                 min_rate_bps=self.lease_min_rate_bps))
+        self.clocks[request_id] = _TransferClock(time.time())
+        try:
+            self.receivers[request_id] = self.manager.expect(lease, self._sink(request_id))
+        except Exception:
+            self._release(request_id)
+            raise
+        return lease
+
+    def _sink(self, request_id: str):
+        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            with self.recv_lock:
+                if request_id in self.engine.receiving:
+                    self.engine.write_layer(request_id, layer, k, v)
+                    clock = self.clocks.get(request_id)
+                    if clock is not None:
+                        now = time.time()
+                        clock.first_s = clock.first_s or now
+                        clock.last_s, clock.nbytes, clock.layers = now, clock.nbytes + k.nbytes + v.nbytes, clock.layers + 1
+        return write
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        receiver = self.receivers.pop(request_id, None)
+        self.clocks.pop(request_id, None)
+        if receiver is not None:
+            receiver.abort(reason)
+            return self._release(request_id)
+        return self.engine.abort_request(request_id)
+
+    def _release(self, request_id: str) -> bool:
+        with self.recv_lock:
+            return self.engine.release_prefill(request_id)
+
+    def poll_transfers(self, report: StepReport) -> None:
+        """Commit finished transfers, release failed ones."""
+        for rid, receiver in list(self.receivers.items()):
+            state = receiver.poll()
+            if state == KVPoll.SUCCESS:
+                del self.receivers[rid]
+                meta = receiver.meta or {}
+                out = self.engine.commit_prefilled(rid, int(meta["first_token"]),
+                                                   generator_from_state(meta.get("generator_state")))
+                if "expert_hist" in meta:
+                    report.routing_hints[rid] = meta["expert_hist"]
+                report.transfers[rid] = self._transfer_stats(rid, meta)
+                report.outputs.append(out)
+            elif state == KVPoll.FAILED:
+                del self.receivers[rid]
+                self.clocks.pop(rid, None)
+                self._release(rid)
+                report.failed[rid] = str(receiver.failure_exception() or "transfer failed")
+
+    def _transfer_stats(self, request_id: str, meta: dict) -> dict:
+        c = self.clocks.pop(request_id, None)
+        if c is None or c.first_s is None:
+            return {"transport": self.manager.name, "bytes": 0, "layers": 0, "seconds": 0.0, "exposed_seconds": 0.0}
+        done = meta.get("compute_done_s", c.last_s)
+        return {"transport": self.manager.name, "bytes": c.nbytes, "layers": c.layers,
+                "seconds": c.last_s - c.first_s, "exposed_seconds": max(0.0, c.last_s - done)}
+
+    def step(self) -> StepReport:
+        report = StepReport()
+        self.poll_transfers(report)
+        if self.engine.has_unfinished_requests():
+            report.outputs.extend(self.engine.step())
+        return report
+
+    def has_work(self) -> bool:
+        return bool(self.receivers) or self.engine.has_unfinished_requests()

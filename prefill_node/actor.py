@@ -1,0 +1,103 @@
+"""Ray actor around :class:`PrefillWorker`: a loop thread steps the engine; method calls only enqueue.
+
+Methods take and return msgpack ``bytes`` (:mod:`cluster.messages`). Started by :mod:`cluster.builder` with
+``ray.remote(num_cpus=..., num_gpus=...)`` and ``max_concurrency`` > 1 so calls never wait behind a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from cluster import messages
+from engine import EngineConfig
+from engine.errors import DuetError
+from kv_transfer import Lease, get_manager_class
+from prefill_node.worker import PrefillWorker
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillActor:
+    def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *, num_threads: int = 1,
+                 stream_layers: bool = True) -> None:
+        torch.set_num_threads(max(1, num_threads))  # Ray sets OMP_NUM_THREADS=1 for fractional actors
+        self.worker_id = worker_id
+        self.manager = get_manager_class(transport)(worker_id=worker_id)
+        self.worker = PrefillWorker(model_dir, EngineConfig(**engine_config), stream_layers=stream_layers)
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._loop, name=f"prefill-{worker_id}", daemon=True)
+        self.thread.start()
+
+    def ping(self) -> bytes:
+        return messages.pack(worker_id=self.worker_id, role="prefill")
+
+    def submit(self, msg: bytes) -> bytes:
+        try:
+            m = messages.unpack(msg)
+            lease = Lease.from_dict(m["lease"])
+            with self.lock:
+                sender = self.manager.sender(lease)
+                try:
+                    self.worker.submit(m["request_id"], messages.prompt_from_wire(m["prompt"]),
+                                       messages.params_from_dict(m["params"]), sender)
+                except BaseException:
+                    sender.abort("prefill rejected the request")
+                    raise
+        except (DuetError, ValueError, KeyError) as e:
+            return messages.error_reply(e)
+        self.wake.set()
+        return messages.pack(ok=True)
+
+    def abort(self, request_id: str) -> bool:
+        with self.lock:
+            return self.worker.abort(request_id)
+
+    def stats(self) -> bytes:
+        with self.lock:
+            e = self.worker.engine
+            return messages.pack(worker_id=self.worker_id, outstanding_tokens=self.worker.outstanding_tokens,
+                                 waiting=len(e.scheduler.waiting), running=len(e.scheduler.running),
+                                 free_blocks=e.block_manager.num_free_blocks)
+
+    def check_no_leaks(self) -> bytes:
+        with self.lock:
+            idle = not self.worker.has_work()
+            if idle:
+                self.worker.engine.block_manager.check_no_leaks()
+            return messages.pack(idle=idle, held=sum(b.ref_count > 0 for b in self.worker.engine.block_manager.blocks))
+
+    def inject_fault(self, kind: str, value: float) -> None:
+        """Tests only: ``layer_delay_s`` (seconds after each layer's compute) or ``corrupt_next`` (count)."""
+        with self.lock:
+            if kind == "layer_delay_s":
+                self.worker.faults.layer_delay_s = float(value)
+            elif kind == "corrupt_next":
+                self.worker.faults.corrupt_next = int(value)
+            else:
+                raise ValueError(f"unknown fault {kind!r}")
+
+    def shutdown(self) -> None:
+        self.stopped = True
+        self.wake.set()
+        self.thread.join(timeout=5)
+        self.manager.close()
+
+    def _loop(self) -> None:
+        while not self.stopped:
+            with self.lock:
+                busy = self.worker.has_work()
+                if busy:
+                    try:
+                        self.worker.step()
+                    except Exception:  # never let one bad step kill the worker; fail what was in flight
+                        logger.exception("prefill step failed")
+                        for rid in list(self.worker.senders):
+                            self.worker.abort(rid, "prefill step failed")
+            if not busy:
+                self.wake.wait(0.05)
+                self.wake.clear()

@@ -1,0 +1,137 @@
+"""The prefill worker: runs prompts (vision encoding + chunked prefill) and streams each request's KV, layer by
+layer, to the decode worker that holds its lease.
+
+Queues a request moves through: ``submit`` -> engine waiting (admission) -> engine running (prefill chunks; after the
+final chunk's layer i, layer i's blocks are gathered and handed to the request's :class:`KVSender`) -> first token
+sampled -> ``finish`` frame (first token, routing hints, sampler state) -> blocks freed. The worker never decodes past
+the first token. Transfers overlap compute: ``send_layer`` only enqueues.
+
+Not thread-safe by itself: the actor wrapper serialises calls (``submit``/``abort`` and ``step`` under one lock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.sequence import Sequence
+from kv_transfer import KVPoll, KVSender
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    def __init__(self, model_dir: str | Path, config: EngineConfig, *, stream_layers: bool = True) -> None:
+        self.engine = LLMEngine(model_dir, config)
+        self.engine.runner.track_routing = self.engine.model_config.text.is_moe
+        self.engine.kv_exporter = self._export
+        self.stream_layers = stream_layers
+        self.senders: dict[str, KVSender] = {}
+        self._held: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        self._seqs: dict[str, Sequence] = {}
+        self._compute_done: dict[str, float] = {}  # wall time the last layer's KV was computed
+        self.faults = Faults()
+        self.outstanding_tokens = 0
+
+    # ----------------------------------------------------------------------------------------------------- requests
+    def submit(self, request_id: str, prompt: Any, params: SamplingParams, sender: KVSender) -> None:
+        """Queue a prompt; its KV goes to ``sender``. Raises the engine's typed errors (nothing queued)."""
+        first_only = dataclasses.replace(params, max_tokens=None, return_logits=False)
+        self.engine.add_request(request_id, prompt, first_only)
+        if self.faults.corrupt_next > 0:
+            self.faults.corrupt_next -= 1
+            sender.tamper = _flip_first_byte
+        self.senders[request_id] = sender
+        self._seqs[request_id] = self.engine.requests[request_id]
+        self.outstanding_tokens += self._seqs[request_id].num_prompt_tokens
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        sender = self.senders.pop(request_id, None)
+        self._held.pop(request_id, None)
+        self._compute_done.pop(request_id, None)
+        if sender is not None:
+            sender.abort(reason)
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.outstanding_tokens -= seq.num_prompt_tokens
+        return self.engine.abort_request(request_id)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    # --------------------------------------------------------------------------------------------------------- step
+    def step(self) -> list[str]:
+        """One engine step; returns the ids of requests whose prefill finished (their ``finish`` frame is sent)."""
+        for rid, sender in list(self.senders.items()):
+            if sender.poll() == KVPoll.FAILED:  # the decode side went away: stop spending compute on it
+                logger.warning("transfer for %s failed (%s); dropping its prefill", rid, sender.failure_exception())
+                self.abort(rid, "transfer failed")
+        done = []
+        for out in self.engine.step():
+            rid = out.request_id
+            seq = self._seqs.pop(rid, None)
+            sender = self.senders.pop(rid, None)
+            if sender is None:
+                continue
+            for layer, k, v in self._held.pop(rid, []):
+                sender.send_layer(layer, k, v)
+            meta = self._finish_meta(out.outputs[0].token_ids[0], seq)
+            meta["compute_done_s"] = self._compute_done.pop(rid, time.time())
+            sender.finish(meta)
+            self.outstanding_tokens -= len(out.prompt_token_ids)
+            if not out.finished:
+                self.engine.abort_request(rid)
+            done.append(rid)
+        return done
+
+    def _export(self, layer: int, seqs: list[Sequence]) -> None:
+        last = layer == self.engine.model_config.text.num_layers - 1
+        if self.faults.layer_delay_s:
+            time.sleep(self.faults.layer_delay_s)
+        for seq in seqs:
+            sender = self.senders.get(seq.request_id)
+            if sender is None:
+                continue
+            k, v = self.engine.runner.gather_layer(seq, layer)
+            if last:
+                self._compute_done[seq.request_id] = time.time()
+            if self.stream_layers:
+                sender.send_layer(layer, k, v)
+            else:
+                self._held.setdefault(seq.request_id, []).append((layer, k, v))
+
+    @staticmethod
+    def _finish_meta(first_token: int, seq: Sequence | None) -> dict:
+        meta: dict[str, Any] = {"first_token": int(first_token)}
+        if seq is not None and seq.expert_hist is not None:
+            meta["expert_hist"] = seq.expert_hist.tolist()
+        if seq is not None and seq.generator is not None:
+            meta["generator_state"] = seq.generator.get_state().numpy().tobytes()
+        return meta
+
+
+@dataclasses.dataclass
+class Faults:
+    """Fault injection for tests (set through the actor's ``inject_fault``): a pause after every layer's compute
+    (a slow prefill) and corruption of the next N transfers' first payload byte."""
+
+    layer_delay_s: float = 0.0
+    corrupt_next: int = 0
+
+
+def _flip_first_byte(header: dict, payload: torch.Tensor) -> None:
+    payload[0] ^= 0xFF
+
+
+def generator_from_state(state: bytes | None) -> torch.Tensor | None:
+    """Inverse of the ``generator_state`` bytes in a finish frame."""
+    if state is None:
+        return None
+    return torch.from_numpy(np.frombuffer(state, dtype=np.uint8).copy())

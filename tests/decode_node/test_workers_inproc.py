@@ -1,0 +1,107 @@
+"""Prefill and decode workers wired in one process over the in-process transport (no Ray): the disaggregated path
+gives exactly the local engine's tokens, streamed per layer or sent whole, greedy and seeded sampling, and frees
+every block on both sides — also when a transfer fails or is aborted."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode_node.worker import DecodeWorker
+from engine import LLM, EngineConfig, SamplingParams
+from kv_transfer import KVPoll
+from kv_transfer.inproc.manager import Manager as InprocManager
+from prefill_node.worker import PrefillWorker
+from tests.conftest import LLM_DEFAULTS, greedy, make_image, make_request
+
+CFG = dict(dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128)
+
+
+def _pair(model_dir, stream_layers=True):
+    pm, dm = InprocManager(), InprocManager()
+    return PrefillWorker(model_dir, EngineConfig(**CFG), stream_layers=stream_layers), \
+        DecodeWorker(model_dir, EngineConfig(**CFG), dm), pm
+
+
+def _run(pw, dw, pm, prompts, params, *, tamper=None):
+    tokens, failed = {}, {}
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        lease = dw.allocate(f"r{i}", p, sp)
+        sender = pm.sender(lease)
+        if tamper is not None and i == 0:
+            sender.tamper = tamper
+        pw.submit(f"r{i}", p, sp, sender)
+    for _ in range(2000):
+        if not (pw.has_work() or dw.has_work()):
+            break
+        pw.step()
+        report = dw.step()
+        failed.update(report.failed)
+        for out in report.outputs:
+            tokens[out.request_id] = out.outputs[0].token_ids
+        if not pw.has_work() and dw.receivers:
+            next(iter(dw.receivers.values())).wait(0.05)
+    return [tokens.get(f"r{i}") for i in range(len(prompts))], failed
+
+
+def _local(model_dir, prompts, params):
+    llm = LLM(model_dir, **{**LLM_DEFAULTS, **CFG})
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _idle(pw, dw):
+    for w in (pw, dw):
+        w.engine.block_manager.check_no_leaks()
+        assert not w.engine.requests
+
+
+@pytest.mark.parametrize("stream_layers", [True, False], ids=["layerwise", "whole"])
+def test_disaggregated_tokens_equal_local(tiny_model_dir, stream_layers):
+    prompts = [make_request(6 + 2 * i, seed=i, images=[make_image(i)] * (i % 2)) for i in range(4)]
+    params = [greedy(4 + i) for i in range(3)] + [SamplingParams(temperature=0.8, top_k=20, max_tokens=6, seed=11)]
+    pw, dw, pm = _pair(tiny_model_dir, stream_layers)
+    got, failed = _run(pw, dw, pm, prompts, params)
+    assert not failed
+    assert got == _local(tiny_model_dir, prompts, params)
+    _idle(pw, dw)
+
+
+def test_routing_hints_and_transfer_stats(tiny_model_dir):
+    pw, dw, pm = _pair(tiny_model_dir)
+    prompt = make_request(9, seed=3)
+    lease = dw.allocate("r", prompt, greedy(2))
+    pw.submit("r", prompt, greedy(2), pm.sender(lease))
+    hints = stats = None
+    while pw.has_work() or dw.has_work():
+        pw.step()
+        report = dw.step()
+        hints = hints or report.routing_hints.get("r")
+        stats = stats or report.transfers.get("r")
+    cfg = dw.engine.model_config.text
+    assert len(hints) == cfg.num_layers and all(sum(row) == len(prompt["prompt_token_ids"]) * cfg.top_k
+                                                for row in hints)
+    assert stats["layers"] == cfg.num_layers and stats["bytes"] == lease.layout.transfer_nbytes(lease.num_blocks)
+    _idle(pw, dw)
+
+
+def test_corrupt_transfer_fails_and_frees_blocks(tiny_model_dir):
+    def flip(header, payload):
+        payload[0] ^= 0xFF
+
+    pw, dw, pm = _pair(tiny_model_dir)
+    got, failed = _run(pw, dw, pm, [make_request(7, seed=1), make_request(5, seed=2)], [greedy(3), greedy(3)],
+                       tamper=flip)
+    assert "r0" in failed and "mismatch" in failed["r0"]
+    assert got[0] is None and got[1] == _local(tiny_model_dir, [make_request(5, seed=2)], [greedy(3)])[0]
+    _idle(pw, dw)
+
+
+def test_abort_on_either_side_frees_both(tiny_model_dir):
+    pw, dw, pm = _pair(tiny_model_dir)
+    prompt = make_request(12, seed=4)
+    lease = dw.allocate("a", prompt, greedy(3))
+    sender = pm.sender(lease)
+    pw.submit("a", prompt, greedy(3), sender)
+    dw.abort("a")
+    assert sender.wait(2.0) == KVPoll.FAILED
+    pw.step()  # sees the failed transfer and drops the prefill
+    _idle(pw, dw)
