@@ -1,4 +1,70 @@
-"""The KV wire: block codec, transports (torch.distributed, gRPC, in-process) and the transfer state machine.
+"""The KV wire between a prefill worker and a decode worker: block codec, transports, transfer state machine.
 
-Must not import the model. Filled in by the disaggregated serving issue.
+Must not import the model (``engine``).
+
+A transfer is one request's KV, all layers, plus a final metadata frame. Contract: :mod:`kv_transfer.base`.
+Transports (same class names ``Manager`` / ``Sender`` / ``Receiver`` in each sub-package; pick one with
+:func:`get_manager_class`): ``inproc`` (queues, one process), ``gloo`` / ``nccl`` (torch.distributed pair groups),
+``grpc`` (client-streaming calls).
+
+Queues and states, decode side::
+
+    expect(lease, sink)                      WAITING        registered in its manager, blocks reserved
+      -> frames arrive on a transport thread TRANSFERRING   each layer verified (crc32 per block), then sink()
+      -> finish frame, every layer present   SUCCESS        meta available; the sender is told ("done")
+      (checksum / missing layer / abort / deadline / peer gone -> FAILED, the sender is told when it can be)
+
+Prefill side::
+
+    sender(lease)                            BOOTSTRAPPING  connection to the decode manager being set up
+      -> connected, open frame queued        WAITING
+      -> send_layer(): copy, queue; a transport thread encodes and sends       TRANSFERRING
+      -> finish(meta) sent and the receiver reported success                   SUCCESS
+
+States only move forward (:class:`KVPoll` is ordered); FAILED carries a typed :class:`TransferError`
+(``failure_exception()``). Every wait is bounded and every transfer ends by its lease deadline at the latest.
 """
+
+from kv_transfer.base import (
+                              ChecksumMismatch,
+                              KVLayout,
+                              KVManager,
+                              KVPoll,
+                              KVReceiver,
+                              KVSender,
+                              Lease,
+                              MissingLayer,
+                              PeerUnavailable,
+                              ProtocolError,
+                              Sink,
+                              TransferAborted,
+                              TransferError,
+                              TransferTimeout,
+                              transfer_deadline,
+)
+from kv_transfer.codec import Codec, IdentityCodec, get_codec, register_codec
+from kv_transfer.registry import TRANSPORTS, get_manager_class
+
+__all__ = [
+                              "TRANSPORTS",
+                              "ChecksumMismatch",
+                              "Codec",
+                              "IdentityCodec",
+                              "KVLayout",
+                              "KVManager",
+                              "KVPoll",
+                              "KVReceiver",
+                              "KVSender",
+                              "Lease",
+                              "MissingLayer",
+                              "PeerUnavailable",
+                              "ProtocolError",
+                              "Sink",
+                              "TransferAborted",
+                              "TransferError",
+                              "TransferTimeout",
+                              "get_codec",
+                              "get_manager_class",
+                              "register_codec",
+                              "transfer_deadline",
+]

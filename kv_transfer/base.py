@@ -1,0 +1,286 @@
+"""The KV-transfer contract: poll states, typed errors, the lease, and the sender / receiver / manager interfaces.
+
+Who calls what:
+
+* The DECODE side owns the lease. It allocates blocks for a request, builds a :class:`Lease` (``manager.lease(...)``),
+  calls ``manager.expect(lease, sink)`` and only then hands ``lease.to_dict()`` to the prefill side (through Ray).
+* The PREFILL side calls ``manager.sender(lease)`` once per request, ``send_layer`` once per layer as each layer's KV
+  is ready (any order), then ``finish(meta)`` once. It learns the outcome by ``poll()`` / ``wait()``.
+* Either side may ``abort(reason)`` at any time; the other side ends FAILED with :class:`TransferAborted` promptly.
+* Every transfer ends FAILED with :class:`TransferTimeout` at the latest when ``lease.deadline_s`` passes.
+
+This module imports torch only for dtype names; it never imports the model.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+LEASE_VERSION = 1
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Sink = Callable[[int, torch.Tensor, torch.Tensor], None]
+"""``sink(layer, k, v)``: k, v are ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the layout's dtype."""
+
+
+class KVPoll(IntEnum):
+    """Where a transfer stands. Ordered: a transfer only moves forward; FAILED and SUCCESS are terminal."""
+
+    FAILED = 0
+    BOOTSTRAPPING = 1  # the connection to the peer is being set up
+    WAITING = 2  # connected; no layer has moved yet
+    TRANSFERRING = 3  # at least one layer has moved
+    SUCCESS = 4  # sender: the receiver verified everything; receiver: every layer and the final frame arrived
+
+
+class TransferError(Exception):
+    """Base of every error a transfer ends with (``failure_exception()``)."""
+
+
+class TransferTimeout(TransferError):
+    """The lease deadline passed before the transfer succeeded."""
+
+
+class TransferAborted(TransferError):
+    """One side called ``abort()`` (or closed its manager), or the receiver side had no such transfer."""
+
+
+class ChecksumMismatch(TransferError):
+    """A block's bytes did not match the crc32 in its frame header; the layer was not handed to the sink."""
+
+
+class MissingLayer(TransferError):
+    """The final frame arrived before every layer had."""
+
+
+class PeerUnavailable(TransferError):
+    """The peer could not be reached, went away mid-transfer, or the transport cannot run on this host."""
+
+
+class ProtocolError(TransferError):
+    """A frame or message was malformed, had an unknown version, or did not match the lease."""
+
+
+ERRORS: dict[str, type[TransferError]] = {
+    cls.__name__: cls
+    for cls in (TransferError, TransferTimeout, TransferAborted, ChecksumMismatch, MissingLayer, PeerUnavailable,
+                ProtocolError)
+}
+
+
+def error_from_name(name: str | None, message: str) -> TransferError:
+    """The error a peer reported by class name (unknown names become plain :class:`TransferError`)."""
+    return ERRORS.get(name or "", TransferError)(message)
+
+
+def transfer_deadline(num_bytes: int, *, base_s: float = 5.0, min_rate_bps: float = 50e6) -> float:
+    """Absolute deadline (``time.time()`` seconds) for moving ``num_bytes``: ``now + base_s + num_bytes / rate``.
+
+    ``min_rate_bps`` is the slowest rate in BYTES per second the caller still considers healthy.
+    """
+    assert num_bytes >= 0 and base_s >= 0 and min_rate_bps > 0
+    return time.time() + base_s + num_bytes / min_rate_bps
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one layer's KV for one block: K and V are each ``[block_size, num_kv_heads, head_dim]``."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        """Shape of K (and of V) for ``num_blocks`` blocks of one layer."""
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def layer_nbytes(self, num_blocks: int) -> int:
+        """Bytes of K plus V for ``num_blocks`` blocks of one layer, uncompressed."""
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * math.prod(self.block_shape(num_blocks)) * itemsize
+
+    def transfer_nbytes(self, num_blocks: int) -> int:
+        """Bytes of every layer's K and V for ``num_blocks`` blocks, uncompressed."""
+        return self.num_layers * self.layer_nbytes(num_blocks)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The decode side's promise: blocks are reserved for ``request_id`` until ``deadline_s`` (absolute wall time).
+
+    Crosses processes as ``to_dict()`` (msgpack-able, with a ``"version"`` field).
+    """
+
+    request_id: str
+    num_blocks: int
+    layout: KVLayout
+    transport: str
+    endpoint: str
+    deadline_s: float
+
+    def __post_init__(self) -> None:
+        if not self.request_id or not isinstance(self.request_id, str):
+            raise ValueError(f"Lease.request_id must be a non-empty str, got {self.request_id!r}")
+        if not isinstance(self.num_blocks, int) or self.num_blocks <= 0:
+            raise ValueError(f"Lease.num_blocks must be a positive int, got {self.num_blocks!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": LEASE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Lease:
+        """Inverse of :meth:`to_dict`; raises :class:`ProtocolError` for an unknown version or a malformed dict."""
+        if not isinstance(d, dict) or d.get("version") != LEASE_VERSION:
+            got = d.get("version") if isinstance(d, dict) else type(d).__name__
+            raise ProtocolError(f"lease version {got!r} is not supported (expected {LEASE_VERSION})")
+        try:
+            fields = {k: v for k, v in d.items() if k != "version"}
+            return cls(**{**fields, "layout": KVLayout(**fields["layout"])})
+        except (TypeError, KeyError, ValueError) as e:
+            raise ProtocolError(f"malformed lease: {e}") from e
+
+
+class KVSender(abc.ABC):
+    """Prefill side of one request's transfer. Made by ``KVManager.sender(lease)``; used from one thread.
+
+    * ``send_layer(layer, k, v)``: once per layer, any order. Non-blocking: copies ``k``/``v`` (so the caller may
+      reuse its buffers as soon as it returns) and enqueues; encoding, checksums and I/O run on a transport thread.
+      Raises ``ValueError`` for a wrong shape/dtype, a layer out of range or sent twice, or a call after ``finish``.
+      After the transfer FAILED it drops the layer silently (check ``poll()``).
+    * ``finish(meta)``: once, after the layers; ``meta`` is a msgpack-able dict (first token, expert histogram...)
+      delivered to the receiver's ``meta``. A layer never sent makes both sides fail with :class:`MissingLayer`.
+    * SUCCESS means the receiver verified every layer and the final frame.
+    """
+
+    tamper: Callable[[dict, torch.Tensor], None] | None = None
+    """Fault injection for tests: called with each layer frame's header and uint8 payload after the checksums were
+    computed and before it is sent; may mutate both in place."""
+
+    lease: Lease
+
+    @abc.abstractmethod
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def finish(self, meta: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    def poll(self) -> KVPoll: ...
+
+    @abc.abstractmethod
+    def wait(self, timeout_s: float) -> KVPoll:
+        """Block until SUCCESS or FAILED or ``timeout_s`` passed; returns the state then."""
+
+    @abc.abstractmethod
+    def abort(self, reason: str = "aborted") -> None:
+        """End FAILED with :class:`TransferAborted` (no-op when already terminal) and tell the peer."""
+
+    @abc.abstractmethod
+    def failure_exception(self) -> TransferError | None: ...
+
+
+class KVReceiver(abc.ABC):
+    """Decode side of one request's transfer. Made by ``KVManager.expect(lease, sink)``.
+
+    The sink is called on a transport thread, once per verified layer, in arrival order; it must copy the tensors
+    into the pool quickly (it holds up its link meanwhile). It is never called for a layer whose checksum failed,
+    and never again once ``abort()`` returned or the transfer failed. SUCCESS: every layer arrived exactly once,
+    verified, and the final frame arrived; ``meta`` then holds the sender's ``finish`` dict. Until the receiver is
+    terminal the decode side owns its blocks but must not read them.
+    """
+
+    lease: Lease
+
+    @property
+    @abc.abstractmethod
+    def meta(self) -> dict[str, Any] | None: ...
+
+    @abc.abstractmethod
+    def poll(self) -> KVPoll: ...
+
+    @abc.abstractmethod
+    def wait(self, timeout_s: float) -> KVPoll: ...
+
+    @abc.abstractmethod
+    def abort(self, reason: str = "aborted") -> None: ...
+
+    @abc.abstractmethod
+    def failure_exception(self) -> TransferError | None: ...
+
+
+class KVManager(abc.ABC):
+    """One per worker per transport: owns connections, servers and threads. Thread-safe.
+
+    Backend differences are the class attributes below; callers never branch on ``name``.
+    """
+
+    name: ClassVar[str]
+    supports_gpu_direct: ClassVar[bool] = False  # payloads may stay on the GPU end to end
+    cross_process: ClassVar[bool] = True  # sender and receiver may live in different processes
+    cross_host: ClassVar[bool] = True  # ... and on different hosts
+
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """Where senders reach this manager; the decode side puts it in its leases."""
+
+    @abc.abstractmethod
+    def expect(self, lease: Lease, sink: Sink, *, on_done: Callable[[dict], None] | None = None) -> KVReceiver:
+        """Decode side: register a receiver for ``lease`` (call before handing out the lease).
+
+        ``on_done(meta)`` runs on the transport thread right after SUCCESS. Raises ``ValueError`` when a live
+        transfer already has this request id.
+        """
+
+    @abc.abstractmethod
+    def sender(self, lease: Lease) -> KVSender:
+        """Prefill side: start the transfer described by a lease issued by a manager of the same transport.
+
+        An unreachable peer does not raise here: the sender ends FAILED with :class:`PeerUnavailable`. Raises
+        ``ValueError`` for a lease of another transport and :class:`PeerUnavailable` when this manager is closed.
+        """
+
+    @abc.abstractmethod
+    def num_active(self) -> int:
+        """Senders and receivers of this manager not yet terminal (0 after every finished scenario)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Abort live transfers (the peers see TransferAborted), release connections and threads. Idempotent."""
+
+    def lease(self, request_id: str, *, num_blocks: int, layout: KVLayout, deadline_s: float | None = None) -> Lease:
+        """A lease pointing at this manager; the deadline defaults to :func:`transfer_deadline` of the bytes."""
+        if deadline_s is None:
+            deadline_s = transfer_deadline(layout.transfer_nbytes(num_blocks))
+        return Lease(request_id, num_blocks, layout, self.name, self.endpoint, deadline_s)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

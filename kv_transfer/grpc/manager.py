@@ -1,0 +1,145 @@
+"""gRPC streaming transport, for hosts without a shared NCCL fabric (or without torch.distributed reachability).
+
+The decode manager runs a ``grpc.server`` (bound to ``host``, port 0 = free port; ``endpoint`` is "host:PORT");
+the prefill manager keeps one channel per endpoint and makes one ``Push`` call per request (HTTP/2 multiplexes
+them on the channel).
+
+Queues a request moves through, prefill side: ``sender()`` -> the sender's job queue [WAITING] -> encoded by the
+call's request iterator [TRANSFERRING] -> ok summary [SUCCESS]. Decode side: ``expect()`` [WAITING] -> frames fed
+by the Push handler thread [TRANSFERRING] -> ``finish`` verified [SUCCESS].
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+
+from kv_transfer.base import KVManager, Lease, PeerUnavailable, Sink, TransferAborted
+from kv_transfer.codec import Codec, get_codec
+from kv_transfer.grpc.client import Sender
+from kv_transfer.grpc.server import PUSH, SERVICE, PushHandler, Receiver
+from kv_transfer.transfer import TERMINAL, Transfer
+from kv_transfer.watch import DeadlineWatch
+
+CHUNK_BYTES = 4 << 20
+
+
+class Manager(KVManager):
+    """gRPC transport manager. ``max_concurrent``: Push calls served at once (one handler thread each)."""
+
+    name = "grpc"
+    supports_gpu_direct = False
+    cross_process = True
+    cross_host = True
+
+    def __init__(self, *, worker_id: str | None = None, host: str = "127.0.0.1", port: int = 0,
+                 codec: str = "identity", chunk_bytes: int = CHUNK_BYTES, max_concurrent: int = 32) -> None:
+        if not 0 < chunk_bytes <= CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes}")
+        self._worker_id = worker_id or f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._codec: Codec = get_codec(codec)
+        self._chunk_bytes = chunk_bytes
+        self._limit = chunk_bytes + (1 << 20)  # room for a large header message
+        self._lock = threading.Lock()
+        self._live: dict[tuple[str, str], Transfer] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._closed = False
+        self._watch = DeadlineWatch(f"kv-deadline-{self._worker_id}")
+        self._pool = futures.ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix=f"kv-push-{self._worker_id}")
+        self._server = grpc.server(
+            self._pool,
+            options=[("grpc.max_receive_message_length", self._limit), ("grpc.so_reuseport", 0)])
+        handler = grpc.stream_unary_rpc_method_handler(PushHandler(self._lookup))
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Push": handler}),))
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if not bound:
+            raise PeerUnavailable(f"cannot bind the KV gRPC server to {host}:{port}")
+        self._server.start()
+        self._endpoint = f"{host}:{bound}"
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def expect(self, lease: Lease, sink: Sink, *, on_done: Callable[[dict], None] | None = None) -> Receiver:
+        self._check(lease)
+        receiver = Receiver(lease, sink, on_done=on_done, on_terminal=self._forget)
+        self._register("receiver", receiver)
+        return receiver
+
+    def sender(self, lease: Lease) -> Sender:
+        self._check(lease)
+        push = self._channel(lease.endpoint).stream_unary(PUSH)
+        with self._lock:
+            if ("sender", lease.request_id) in self._live:
+                raise ValueError(f"a live transfer for request {lease.request_id!r} already exists here")
+        sender = Sender(lease, push=push, codec=self._codec, chunk_bytes=self._chunk_bytes, on_terminal=self._forget)
+        self._register("sender", sender)
+        return sender
+
+    def num_active(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            live = list(self._live.values())
+        for t in live:
+            t._fail(TransferAborted(f"KV manager {self._worker_id} closed"), notify_peer=True)
+        end = time.monotonic() + 1.0  # let abort frames go out before the channels close
+        for t in live:
+            if isinstance(t, Sender) and t.call is not None:
+                while not t.call.done() and time.monotonic() < end:
+                    time.sleep(0.01)
+        self._server.stop(grace=0.5).wait(2.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
+        self._watch.close()
+
+    # -- internals -----------------------------------------------------------------------------------------------
+    def _check(self, lease: Lease) -> None:
+        if lease.transport != self.name:
+            raise ValueError(f"lease is for transport {lease.transport!r}, this manager is {self.name!r}")
+        if self._closed:
+            raise PeerUnavailable(f"KV manager {self._worker_id} is closed")
+
+    def _register(self, role: str, t: Transfer) -> None:
+        with self._lock:
+            if (role, t.request_id) in self._live:
+                raise ValueError(f"a live transfer for request {t.request_id!r} already exists here")
+            self._live[(role, t.request_id)] = t
+        self._watch.add(t)
+        if t.poll() in TERMINAL:  # it ended before it was registered: drop it again
+            self._forget(t)
+
+    def _forget(self, t: Transfer) -> None:
+        key = ("receiver" if isinstance(t, Receiver) else "sender", t.request_id)
+        with self._lock:
+            if self._live.get(key) is t:
+                del self._live[key]
+
+    def _lookup(self, request_id: str) -> Receiver | None:
+        with self._lock:
+            t = self._live.get(("receiver", request_id))
+        return t if isinstance(t, Receiver) else None
+
+    def _channel(self, endpoint: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(endpoint)
+            if channel is None:
+                options = [("grpc.max_send_message_length", self._limit),
+                           ("grpc.max_receive_message_length", self._limit)]
+                channel = self._channels[endpoint] = grpc.insecure_channel(endpoint, options=options)
+            return channel

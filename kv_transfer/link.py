@@ -1,0 +1,233 @@
+"""Links: bidirectional frame channels between two managers, used by the inproc and gloo transports.
+
+A link has an :class:`Outbox` (control frames first, then layer/finish jobs in FIFO order) drained by ONE send
+thread, which encodes each job (codec + checksums) and transmits it, or a ``ping`` when idle. Incoming frames
+reach :meth:`Link.on_frame` from the transport's receive path and are routed by the manager's
+:class:`~kv_transfer.routing.Dispatcher` to the sender or receiver of their request. Transfers using a link are
+its *members*: when the link dies they all end FAILED with :class:`PeerUnavailable`.
+
+Link states: CONNECTING -> UP -> CLOSING (bye sent or received) -> CLOSED.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kv_transfer import frames
+from kv_transfer.base import KVPoll, PeerUnavailable, TransferError
+from kv_transfer.transfer import BaseSender, FinishJob, LayerJob, Transfer
+
+if TYPE_CHECKING:
+    from kv_transfer.routing import Dispatcher
+
+log = logging.getLogger(__name__)
+Item = dict[str, Any] | LayerJob | FinishJob
+
+
+class LinkState(IntEnum):
+    CONNECTING = 0
+    UP = 1
+    CLOSING = 2
+    CLOSED = 3
+
+
+class Outbox:
+    """Items waiting for a link's send thread: control headers jump ahead of data jobs."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._control: deque[dict[str, Any]] = deque()
+        self._data: deque[LayerJob | FinishJob] = deque()
+        self._closed = False
+
+    def put(self, item: Item, *, last: bool = False) -> bool:
+        """Queue ``item``; ``last`` closes the outbox behind it. False when already closed."""
+        with self._cond:
+            if self._closed:
+                return False
+            (self._control if isinstance(item, dict) else self._data).append(item)
+            self._closed = last
+            self._cond.notify()
+            return True
+
+    def get(self, timeout_s: float) -> Item | None:
+        """The next item, or None after ``timeout_s`` idle or once closed and drained of control frames."""
+        with self._cond:
+            if not (self._control or self._data or self._closed):
+                self._cond.wait(timeout_s)
+            if self._control:
+                return self._control.popleft()
+            if self._data and not self._closed:
+                return self._data.popleft()
+            return None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
+class Link:
+    """Base of a transport link. Subclasses implement ``_connect()`` (bounded) and ``_transmit(header, payload)``
+    and call :meth:`on_frame` for each incoming frame and :meth:`die` when their receive path breaks."""
+
+    def __init__(self, *, dispatcher: Dispatcher, keepalive_s: float, name: str) -> None:
+        self.dispatcher, self.keepalive_s, self.name = dispatcher, keepalive_s, name
+        self.state = LinkState.CONNECTING
+        self.outbox = Outbox()
+        self._members: set[Transfer] = set()
+        self._lock = threading.Lock()
+        self._send_thread = threading.Thread(target=self._run, name=f"kv-send-{name}", daemon=True)
+
+    @classmethod
+    def unreachable(cls, dispatcher: Dispatcher, name: str) -> Link:
+        """A link that is already CLOSED: transfers given it fail at once with PeerUnavailable."""
+        link = cls.__new__(cls)
+        Link.__init__(link, dispatcher=dispatcher, keepalive_s=1.0, name=name)
+        link.state = LinkState.CLOSED
+        link.outbox.close()
+        return link
+
+    def start(self) -> None:
+        self._send_thread.start()
+
+    def attach(self, t: Transfer) -> bool:
+        """Make ``t`` a member; senders move to WAITING once the link is up. False when the link is closing."""
+        with self._lock:
+            if self.state >= LinkState.CLOSING:
+                return False
+            self._members.add(t)
+            up = self.state is LinkState.UP
+        if up and isinstance(t, BaseSender):
+            t._advance(KVPoll.WAITING)
+        return True
+
+    def detach(self, t: Transfer) -> None:
+        with self._lock:
+            self._members.discard(t)
+
+    def post(self, item: Item) -> bool:
+        return self.outbox.put(item)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Orderly close: send ``bye`` after the queued control frames; wait (bounded) for the peer's ``bye``."""
+        self._begin_close()
+        if self._send_thread.is_alive():
+            self._send_thread.join(timeout_s)
+        self._join_receive(timeout_s)
+        self.die(PeerUnavailable(f"link {self.name} closed"))
+
+    def die(self, error: TransferError) -> None:
+        """Mark the link CLOSED and fail every member with ``error``. Idempotent."""
+        with self._lock:
+            if self.state is LinkState.CLOSED:
+                return
+            self.state = LinkState.CLOSED
+            members, self._members = list(self._members), set()
+        self.outbox.close()
+        for t in members:
+            t._fail(error, notify_peer=False)
+        self._on_closed()
+
+    def on_frame(self, header_bytes: bytes, payload: torch.Tensor | None) -> bool:
+        """Receive path: handle one frame. Returns False when the peer said ``bye`` (stop receiving)."""
+        kind = _peek_link_kind(header_bytes)
+        if kind == "ping":
+            return True
+        if kind == "bye":
+            self._fail_members(PeerUnavailable(f"peer closed link {self.name}"))
+            self._begin_close()
+            return False
+        self.dispatcher.route(header_bytes, payload, self)
+        return True
+
+    # -- subclass hooks ------------------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        """Bounded set-up of the channel; raise PeerUnavailable on failure."""
+
+    def _transmit(self, header: bytes, payload: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def _join_receive(self, timeout_s: float) -> None:
+        """Wait (bounded) for the receive path to stop after ``bye``."""
+
+    def _on_closed(self) -> None:
+        """Called once when the link is CLOSED (drop it from the manager's tables)."""
+
+    # -- internals -----------------------------------------------------------------------------------------------
+    def _begin_close(self) -> None:
+        with self._lock:
+            if self.state >= LinkState.CLOSING:
+                return
+            self.state = LinkState.CLOSING
+        self.outbox.put(frames.link_frame("bye"), last=True)
+
+    def _fail_members(self, error: TransferError) -> None:
+        with self._lock:
+            members, self._members = list(self._members), set()
+        for t in members:
+            t._fail(error, notify_peer=False)
+
+    def _run(self) -> None:
+        try:
+            self._connect()
+        except Exception as e:  # noqa: BLE001 - any set-up failure ends the link; its members see PeerUnavailable
+            self.die(e if isinstance(e, TransferError) else PeerUnavailable(f"link {self.name}: connect failed: {e}"))
+            return
+        with self._lock:
+            if self.state is LinkState.CONNECTING:
+                self.state = LinkState.UP
+            senders = [t for t in self._members if isinstance(t, BaseSender)]
+        for s in senders:
+            s._advance(KVPoll.WAITING)
+        try:
+            self._send_loop()
+        except Exception as e:  # noqa: BLE001 - a thread boundary: any wire error ends the link, never the process
+            log.log(logging.DEBUG if self.state >= LinkState.CLOSING else logging.WARNING,
+                    "link %s: send failed: %s", self.name, e)
+            self.die(PeerUnavailable(f"link {self.name}: send failed: {e}"))
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self.outbox.get(self.keepalive_s)
+            if item is None:
+                if self.outbox.closed:
+                    return
+                item = frames.link_frame("ping")
+            frame = self._encode(item)
+            if frame is None:
+                continue
+            header, payload = frame
+            self._transmit(frames.pack(header), payload)
+            if header["kind"] == "bye":
+                return
+
+    @staticmethod
+    def _encode(item: Item) -> tuple[dict[str, Any], torch.Tensor | None] | None:
+        if isinstance(item, dict):
+            return item, None
+        try:
+            return item.sender.encode_job(item)
+        except Exception as e:  # a bad job fails its own transfer, not the link
+            log.exception("encoding a frame of request %r failed", item.sender.request_id)
+            item.sender._fail(TransferError(f"encoding failed: {e!r}"), notify_peer=True)
+            return None
+
+
+def _peek_link_kind(header_bytes: bytes) -> str | None:
+    if len(header_bytes) > 32:  # link frames are tiny; request frames are routed without a second parse
+        return None
+    try:
+        return frames.unpack(header_bytes).get("kind")
+    except frames.FrameRejected:
+        return None

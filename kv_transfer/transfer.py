@@ -1,0 +1,267 @@
+"""The transfer state machine shared by every transport: what a sender and a receiver do with frames.
+
+A transport only moves frames. It gives a :class:`BaseSender` its jobs back to encode (``encode_job``) on a
+transport thread, hands incoming frames to ``handle_frame`` on a transport thread, and implements two hooks:
+``_post(job)`` (sender: queue a job for the wire) and ``_on_terminal(error, notify_peer)`` (both: leave the
+manager's tables; tell the peer when the failure started on this side).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kv_transfer import frames
+from kv_transfer.base import (
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    Lease,
+    MissingLayer,
+    ProtocolError,
+    Sink,
+    TransferAborted,
+    TransferError,
+    TransferTimeout,
+    error_from_name,
+)
+from kv_transfer.codec import Codec, decode_layer, encode_layer
+
+log = logging.getLogger(__name__)
+TERMINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
+
+
+class Transfer:
+    """Forward-only state with a condition to wait on; the lease deadline is applied by ``poll``/``wait``."""
+
+    def __init__(self, lease: Lease, initial: KVPoll) -> None:
+        self.lease = lease
+        self._state = initial
+        self._error: TransferError | None = None
+        self._cond = threading.Condition()
+
+    @property
+    def request_id(self) -> str:
+        return self.lease.request_id
+
+    @property
+    def deadline_s(self) -> float:
+        return self.lease.deadline_s
+
+    def poll(self) -> KVPoll:
+        if self._state not in TERMINAL and time.time() >= self.lease.deadline_s:
+            self._fail(TransferTimeout(f"request {self.request_id!r}: lease deadline passed while "
+                                       f"{self._state.name}"), notify_peer=True)
+        return self._state
+
+    def wait(self, timeout_s: float) -> KVPoll:
+        end = time.monotonic() + max(0.0, timeout_s)
+        with self._cond:
+            while self._state not in TERMINAL:
+                left = min(end - time.monotonic(), self.lease.deadline_s - time.time())
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+        return self.poll()
+
+    def failure_exception(self) -> TransferError | None:
+        return self._error
+
+    def abort(self, reason: str = "aborted") -> None:
+        self._fail(TransferAborted(f"request {self.request_id!r}: {reason}"), notify_peer=True)
+
+    def _advance(self, state: KVPoll) -> bool:
+        with self._cond:
+            if self._state in TERMINAL or state <= self._state:
+                return False
+            self._state = state
+            self._cond.notify_all()
+        if state is KVPoll.SUCCESS:
+            self._on_terminal(None, False)
+        return True
+
+    def _fail(self, error: TransferError, *, notify_peer: bool) -> bool:
+        """FAILED with ``error`` unless already terminal; ``notify_peer`` when the failure started on this side."""
+        with self._cond:
+            if self._state in TERMINAL:
+                return False
+            self._state, self._error = KVPoll.FAILED, error
+            self._cond.notify_all()
+        self._on_terminal(error, notify_peer)
+        return True
+
+    def _on_terminal(self, error: TransferError | None, notify_peer: bool) -> None:
+        """Transport hook, called once, outside the state lock."""
+
+
+@dataclass
+class LayerJob:
+    sender: BaseSender
+    layer: int
+    k: torch.Tensor
+    v: torch.Tensor
+    ready: Any = None  # torch.cuda.Event recorded after the copy, when the tensors are on a GPU
+
+
+@dataclass
+class FinishJob:
+    sender: BaseSender
+    meta: dict[str, Any]
+
+
+class BaseSender(Transfer, KVSender):
+    """See :class:`KVSender`. ``payload_device``: where payloads must be for the wire (None: where k/v are)."""
+
+    def __init__(self, lease: Lease, *, codec: Codec, payload_device: torch.device | None = None) -> None:
+        super().__init__(lease, KVPoll.BOOTSTRAPPING)
+        self._codec, self._payload_device = codec, payload_device
+        self._sent = bytearray(lease.layout.num_layers)
+        self._finished = self._finish_encoded = False
+        self._lock = threading.Lock()
+
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        layout = self.lease.layout
+        shape = layout.block_shape(self.lease.num_blocks)
+        if not 0 <= layer < layout.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {layout.num_layers})")
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != shape or t.dtype != layout.torch_dtype:
+                raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype}; the lease needs {shape} {layout.torch_dtype}")
+        with self._lock:
+            if self._finished:
+                raise ValueError(f"request {self.request_id!r}: send_layer after finish")
+            if self._sent[layer]:
+                raise ValueError(f"request {self.request_id!r}: layer {layer} sent twice")
+            self._sent[layer] = 1
+        if self._state is KVPoll.FAILED:
+            return
+        job = LayerJob(self, layer, k.detach().clone(), v.detach().clone())
+        if job.k.is_cuda:
+            job.ready = torch.cuda.Event()
+            job.ready.record()
+        self._post(job)
+
+    def finish(self, meta: dict[str, Any]) -> None:
+        frames.check_meta(meta)
+        with self._lock:
+            if self._finished:
+                raise ValueError(f"request {self.request_id!r}: finish called twice")
+            self._finished = True
+        if self._state is not KVPoll.FAILED:
+            self._post(FinishJob(self, meta))
+
+    def encode_job(self, job: LayerJob | FinishJob) -> tuple[dict[str, Any], torch.Tensor | None] | None:
+        """Transport thread: the frame for ``job``, or None when this transfer failed (drop it)."""
+        if self._state is KVPoll.FAILED:
+            return None
+        if isinstance(job, FinishJob):
+            self._finish_encoded = True
+            return frames.finish_frame(self.request_id, job.meta), None
+        if job.ready is not None:
+            job.ready.synchronize()
+        k, v = job.k, job.v
+        if self._payload_device is not None and k.device != self._payload_device:
+            k, v = k.to(self._payload_device), v.to(self._payload_device)
+        codec_header, payload = encode_layer(self.request_id, job.layer, k, v, self._codec)
+        header = frames.layer_frame(codec_header)
+        if self.tamper is not None:
+            self.tamper(header, payload)
+        self._advance(KVPoll.TRANSFERRING)
+        return header, payload
+
+    def handle_frame(self, header: dict[str, Any]) -> None:
+        """Transport thread: a frame from the receiver (``done`` or ``abort``)."""
+        kind = header["kind"]
+        if kind == "done" and self._finish_encoded:
+            self._advance(KVPoll.SUCCESS)
+        elif kind == "abort":
+            self._fail(error_from_name(header.get("error"), f"receiver side: {header.get('reason')}"),
+                       notify_peer=False)
+        else:
+            self._fail(ProtocolError(f"request {self.request_id!r}: unexpected {kind!r} frame"), notify_peer=True)
+
+    def _post(self, job: LayerJob | FinishJob) -> None:
+        raise NotImplementedError
+
+
+class BaseReceiver(Transfer, KVReceiver):
+    """See :class:`KVReceiver`. The sink lock makes ``abort()`` wait for a running sink call, so that no sink
+    call happens after a failure is visible (the decode side may free the blocks right then)."""
+
+    def __init__(self, lease: Lease, sink: Sink, on_done: Callable[[dict], None] | None = None) -> None:
+        super().__init__(lease, KVPoll.WAITING)
+        self._sink, self._on_done = sink, on_done
+        self._sink_lock = threading.RLock()
+        self._arrived = bytearray(lease.layout.num_layers)
+        self._meta: dict[str, Any] | None = None
+
+    @property
+    def meta(self) -> dict[str, Any] | None:
+        return self._meta
+
+    def _fail(self, error: TransferError, *, notify_peer: bool) -> bool:
+        with self._sink_lock:
+            return super()._fail(error, notify_peer=notify_peer)
+
+    def handle_frame(self, header: dict[str, Any], payload: torch.Tensor | None) -> None:
+        """Transport thread: a frame from the sender. Never raises; failures end the transfer."""
+        kind = header["kind"]
+        if kind == "layer":
+            self._on_layer(header, payload)
+        elif kind == "finish":
+            self._on_finish(header)
+        elif kind == "abort":
+            self._fail(error_from_name(header.get("error"), f"sender side: {header.get('reason')}"),
+                       notify_peer=False)
+        elif kind != "open":
+            self._fail(ProtocolError(f"request {self.request_id!r}: unexpected {kind!r} frame"), notify_peer=True)
+
+    def _on_layer(self, header: dict[str, Any], payload: torch.Tensor | None) -> None:
+        with self._sink_lock:
+            if self._state in TERMINAL:
+                return
+            layer = header.get("layer")
+            try:
+                if not isinstance(layer, int) or not 0 <= layer < len(self._arrived):
+                    raise ProtocolError(f"layer {layer!r} out of range")
+                if header.get("first_block") != 0 or header.get("num_blocks") != self.lease.num_blocks:
+                    raise ProtocolError(f"frame covers blocks {header.get('first_block')}+{header.get('num_blocks')}"
+                                        f"; the lease has {self.lease.num_blocks}")
+                if self._arrived[layer]:
+                    raise ProtocolError(f"layer {layer} arrived twice")
+                k, v = decode_layer(header, payload, self.lease.layout)
+            except TransferError as e:
+                self._fail(e, notify_peer=True)
+                return
+            self._advance(KVPoll.TRANSFERRING)
+            try:
+                self._sink(layer, k, v)
+            except Exception as e:  # the sink is caller code: any failure ends this transfer only
+                log.exception("sink failed for request %r layer %d", self.request_id, layer)
+                self._fail(TransferError(f"sink raised {e!r}"), notify_peer=True)
+                return
+            self._arrived[layer] = 1
+
+    def _on_finish(self, header: dict[str, Any]) -> None:
+        with self._sink_lock:
+            if self._state in TERMINAL:
+                return
+            missing = [i for i, got in enumerate(self._arrived) if not got]
+            if missing:
+                self._fail(MissingLayer(f"request {self.request_id!r}: finish arrived without layer(s) {missing}"),
+                           notify_peer=True)
+                return
+            self._meta = header.get("meta") or {}
+            if not self._advance(KVPoll.SUCCESS):
+                return
+        if self._on_done is not None:
+            try:
+                self._on_done(self._meta)
+            except Exception:
+                log.exception("on_done failed for request %r", self.request_id)
