@@ -100,9 +100,13 @@ class JoinWatcher:
             if not present:
                 if self._closed.wait(self._poll_s):
                     return
-                if missing_since is None:
+                # The stale clock starts only once slot n is reserved (count > n): an idle watcher must not skip
+                # a slot whose record is written microseconds after the reservation.
+                if store.add(JOIN_COUNT, 0) <= n:
+                    missing_since = None
+                elif missing_since is None:
                     missing_since = time.monotonic()
-                elif time.monotonic() - missing_since > self._stale_s and store.add(JOIN_COUNT, 0) > n:
+                elif time.monotonic() - missing_since > self._stale_s:
                     log.warning("join slot %d was reserved but never written; skipping it", n)
                     n, missing_since = n + 1, None
                 continue

@@ -42,3 +42,24 @@ def test_pair_is_reused_then_rebuilt_after_it_closes() -> None:
         prefill.close()
         decode.close()
     assert prefill.num_pairs() == 0 and decode.num_pairs() == 0
+
+
+def test_join_watcher_idle_longer_than_stale_window_still_reads_the_first_join():
+    """Regression: a watcher idle for longer than its stale window must not skip a slot that was reserved a
+    moment ago (the record is written right after the reservation)."""
+    import threading
+    import time
+
+    from kv_transfer.gloo.rendezvous import JoinWatcher, announce, connect_store, host_store
+
+    store = host_store("127.0.0.1")
+    seen: list[dict] = []
+    got = threading.Event()
+    watcher = JoinWatcher("127.0.0.1", store.port, lambda rec: (seen.append(rec), got.set()), poll_s=0.01,
+                          stale_s=0.1)
+    try:
+        time.sleep(0.4)  # idle well past the stale window
+        announce(connect_store("127.0.0.1", store.port, 5.0), pair_key="p/1", prefill_id="p")
+        assert got.wait(5.0) and seen[0]["pair_key"] == "p/1"
+    finally:
+        watcher.close()
