@@ -72,8 +72,8 @@ class DecodeWorker:
         nbytes = len(blocks) * self.engine.runner.kv_bytes_per_token * self.layout.block_size
         lease = Lease(request_id=request_id, num_blocks=len(blocks), layout=self.layout,
                       transport=self.manager.name, endpoint=self.manager.endpoint,
-                      deadline_s=time.time() + transfer_deadline(nbytes, base_s=self.lease_base_s,
-                                                                 min_rate_bps=self.lease_min_rate_bps))
+                      deadline_s=transfer_deadline(nbytes, base_s=self.lease_base_s,
+                                                   min_rate_bps=self.lease_min_rate_bps))
         self.clocks[request_id] = _TransferClock(time.time())
         try:
             self.receivers[request_id] = self.manager.expect(lease, self._sink(request_id))

@@ -105,3 +105,18 @@ def test_abort_on_either_side_frees_both(tiny_model_dir):
     assert sender.wait(2.0) == KVPoll.FAILED
     pw.step()  # sees the failed transfer and drops the prefill
     _idle(pw, dw)
+
+
+def test_lease_deadline_scales_with_bytes_and_expiry_frees_blocks(tiny_model_dir):
+    import time
+
+    pm, dm = InprocManager(), InprocManager()
+    dw = DecodeWorker(tiny_model_dir, EngineConfig(**CFG), dm, lease_base_s=0.2, lease_min_rate_bps=1e9)
+    prompt = make_request(9, seed=8)
+    lease = dw.allocate("x", prompt, greedy(2))
+    nbytes = lease.layout.transfer_nbytes(lease.num_blocks)
+    assert time.time() < lease.deadline_s <= time.time() + 0.2 + nbytes / 1e9 + 0.05
+    time.sleep(0.3)  # nobody sends
+    report = dw.step()
+    assert "x" in report.failed and "deadline" in report.failed["x"]
+    dw.engine.block_manager.check_no_leaks()
