@@ -2,7 +2,8 @@
 
 ``duet generate [MODEL_DIR] (--prompt TEXT | --token-ids 1,2,3) [--image PATH ...]`` runs one request offline;
 ``duet bench engine [MODEL_DIR]`` benchmarks the engine against transformers; ``duet bench quality [MODEL_DIR]``
-measures the demo task's accuracy. Errors a user can cause print one line
+measures the demo task's accuracy; ``duet bench transfer [MODEL_DIR]`` measures the KV hand-off between
+prefill and decode workers. Errors a user can cause print one line
 and exit with code 2.
 """
 
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.bench.quality_bench import add_arguments as add_quality_arguments
 
     add_quality_arguments(bsub.add_parser("quality", help="demo-task exact-match accuracy (held-out set)"))
+    from cluster.bench.transfer_bench import add_arguments as add_transfer_arguments
+
+    add_transfer_arguments(bsub.add_parser("transfer", help="KV hand-off prefill -> decode: TTFT, GB/s, exposed time"))
     return p
 
 
@@ -74,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench.quality_bench import run as run_quality
 
             return run_quality(args)
+        if args.command == "bench" and args.bench == "transfer":
+            from cluster.bench.transfer_bench import run as run_transfer
+
+            return run_transfer(args)
     except DuetError as e:
         print(f"duet: error: {e}", file=sys.stderr)
         return EXIT_USAGE

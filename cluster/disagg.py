@@ -159,7 +159,11 @@ class DisaggCluster:
                 continue
             end = time.monotonic() + timeout_s
             while True:
-                r = messages.unpack(ray.get(w.actor.check_no_leaks.remote(), timeout=30))
+                try:
+                    r = messages.unpack(ray.get(w.actor.check_no_leaks.remote(), timeout=30))
+                except ray.exceptions.RayActorError:
+                    w.load.alive = False
+                    break
                 if r["idle"] or time.monotonic() > end:
                     held[w.load.worker_id] = r["held"]
                     break

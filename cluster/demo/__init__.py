@@ -1,8 +1,10 @@
-"""The embedded default model: used by every command when no model directory is given.
+"""The demo model, the embedded default of every command when no model directory is given.
 
-Until a trained demo model ships, this is a tiny random-weight LLaVA (SigLIP + Qwen3-MoE) with a tokenizer and an
-image processor, built on first use into ``$DUET_HOME/models`` (default ``~/.cache/duet/models``). Its answers are
-noise; it exists so the whole pipeline (tokenizer, images, MoE, paged KV) runs with zero setup.
+A small LLaVA (SigLIP-style tower + Qwen3-MoE, 8 experts, top-2) trained on :mod:`cluster.demo.tasks` by
+:mod:`cluster.demo.train`, shipped in ``cluster/demo/model`` and installed with the package. It answers questions
+about images of shapes ("What color is the triangle?"), so a first run shows a right answer and benchmarks can report
+task accuracy. Models built on demand (the bench model) are cached under ``$DUET_HOME/models``
+(default ``~/.cache/duet/models``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-DEMO_NAME = "tiny-llava-moe-v1"
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "model"
 
 
 def duet_home() -> Path:
@@ -44,9 +46,9 @@ def cached_model(name: str, build: Callable[[Path], object]) -> Path:
 
 
 def default_model_dir() -> Path:
-    """Path of the embedded default model, building it first if it is not there yet."""
-    from engine.checkpoints import TinySpec, make_tiny_checkpoint
+    """The shipped demo model's directory."""
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        from engine.errors import CheckpointError
 
-    spec = TinySpec(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
-                    num_experts=8, top_k=2, image_size=56, patch_size=14)
-    return cached_model(DEMO_NAME, lambda path: make_tiny_checkpoint(path, spec))
+        raise CheckpointError(f"the demo model is missing from {DEMO_MODEL_DIR}; reinstall duet-serve or pass MODEL_DIR")
+    return DEMO_MODEL_DIR

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cluster.cli import EXIT_USAGE, main
-from cluster.demo import DEMO_NAME
+from cluster.demo import cached_model
 from engine.checkpoints import load_reference_model
 from tests.conftest import make_image
 
@@ -149,15 +149,24 @@ def test_real_process_exit_codes(tiny_model_dir, tmp_path, duet_home):
     assert len(json.loads(ok.stdout)["token_ids"]) <= 3
 
 
-def test_default_demo_model_is_built_on_first_use(duet_home, capsys):
-    rc, out, _ = _run(capsys, "--prompt", "hi", "--json", "--max-tokens", "5")
+def test_default_model_answers_the_readme_question(capsys):
+    """No MODEL_DIR: the shipped demo model answers the README's question about the shipped example image."""
+    rc, out, _ = _run(capsys, "--prompt", "<image>What color is the triangle?", "--image",
+                      str(REPO_ROOT / "examples" / "shapes.png"), "--json")
     assert rc == 0
-    first = json.loads(out)
-    assert len(first["token_ids"]) <= 5 and first["finish_reason"] in ("length", "stop")
-    model_dir = duet_home / "models" / DEMO_NAME
-    assert (model_dir / "config.json").is_file()
-    assert [p.name for p in (duet_home / "models").iterdir()] == [DEMO_NAME]  # no temporary leftovers
-    stamp = (model_dir / "config.json").stat().st_mtime_ns
-    rc, out, _ = _run(capsys, "--prompt", "hi", "--json", "--max-tokens", "5")
-    assert rc == 0 and json.loads(out)["token_ids"] == first["token_ids"]
-    assert (model_dir / "config.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    got = json.loads(out)
+    assert got["text"] == "red" and got["finish_reason"] == "stop"
+
+
+def test_cached_model_builds_once_atomically(duet_home):
+    calls = []
+
+    def build(path: Path) -> None:
+        calls.append(path)
+        path.mkdir()
+        (path / "config.json").write_text("{}")
+
+    first = cached_model("thing", build)
+    assert first == duet_home / "models" / "thing" and (first / "config.json").is_file()
+    assert [p.name for p in (duet_home / "models").iterdir()] == ["thing"]  # no temporary leftovers
+    assert cached_model("thing", build) == first and len(calls) == 1

@@ -1,0 +1,90 @@
+"""``duet bench quality [MODEL_DIR]``: exact-match accuracy of greedy answers on the demo task's held-out set.
+
+The held-out set comes from :func:`cluster.demo.tasks.make_dataset` with a seed the training stream never uses,
+balanced across question types. Each question goes through the checkpoint's chat template, greedy decoding, and an
+exact string comparison with the answer. ``--mode`` selects the serving path (``local``: the offline engine; later
+issues add disaggregated modes) and ``--kv-compression`` the KV policy where a mode supports one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from cluster.bench.report import fmt, format_table, write_json
+
+HELD_OUT_SEED = 1_000_003
+MODES = ("local",)
+KV_POLICIES = ("none",)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", nargs="?", help="checkpoint directory (default: the shipped demo model)")
+    p.add_argument("--n", type=int, default=500, help="held-out examples (balanced over question types)")
+    p.add_argument("--seed", type=int, default=HELD_OUT_SEED, help="held-out set seed")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--mode", default="local", choices=MODES, help="serving path to evaluate")
+    p.add_argument("--kv-compression", default="none", choices=KV_POLICIES, help="KV compression policy")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--json", default="bench_out/quality.json", help="where to write the results")
+
+
+def evaluate(llm, examples, *, max_tokens: int = 48) -> list[dict]:
+    """Greedy answers for ``examples``; one record per example (question type, answer, prediction, match)."""
+    from engine import SamplingParams
+
+    tok = llm.get_tokenizer()
+    prompts = []
+    for e in examples:
+        text = tok.apply_chat_template([{"role": "user", "content": e.question}])
+        prompts.append({"prompt": text, "multi_modal_data": {"image": e.images()}})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return [{"qtype": e.qtype, "question": e.question, "answer": e.answer, "prediction": o.outputs[0].text.strip(),
+             "match": o.outputs[0].text.strip() == e.answer} for e, o in zip(examples, outs, strict=True)]
+
+
+def summarize(records: list[dict]) -> dict:
+    by_type: dict[str, list[bool]] = defaultdict(list)
+    for r in records:
+        by_type[r["qtype"]].append(r["match"])
+    per_type = {q: {"n": len(v), "correct": sum(v), "accuracy": sum(v) / len(v)} for q, v in sorted(by_type.items())}
+    total = sum(r["match"] for r in records)
+    return {"overall": {"n": len(records), "correct": total, "accuracy": total / max(1, len(records))},
+            "per_type": per_type}
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.demo import default_model_dir
+    from cluster.demo.tasks import make_dataset
+    from engine import LLM
+
+    if args.n < 1:
+        print("duet: error: --n must be >= 1", file=sys.stderr)
+        return 2
+    model_dir = Path(args.model_dir) if args.model_dir else default_model_dir()
+    llm = LLM(model_dir, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs)
+    examples = make_dataset(args.seed, args.n)
+    t0 = time.perf_counter()
+    records = evaluate(llm, examples)
+    wall = time.perf_counter() - t0
+    summary = summarize(records)
+    rows = [[q, str(s["n"]), str(s["correct"]), f"{100 * s['accuracy']:.1f}"] for q, s in summary["per_type"].items()]
+    o = summary["overall"]
+    rows.append(["overall", str(o["n"]), str(o["correct"]), f"{100 * o['accuracy']:.1f}"])
+    print(format_table(["question type", "n", "correct", "accuracy %"], rows))
+    print(f"mode {args.mode}, kv-compression {args.kv_compression}, dtype {args.dtype}: {fmt(wall, 1)} s "
+          f"for {o['n']} questions")
+    wrong = [r for r in records if not r["match"]][:5]
+    for r in wrong:
+        print(f"  miss [{r['qtype']}] {r['question']!r}: want {r['answer']!r}, got {r['prediction']!r}",
+              file=sys.stderr)
+    write_json(Path(args.json), {
+        "model_dir": str(model_dir), "mode": args.mode, "kv_compression": args.kv_compression, "dtype": args.dtype,
+        "seed": args.seed, "n": args.n, "wall_s": wall, **summary, "misses": [r for r in records if not r["match"]],
+        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat()})
+    return 0
