@@ -151,11 +151,12 @@ def test_real_process_exit_codes(tiny_model_dir, tmp_path, duet_home):
 
 def test_default_model_answers_the_readme_question(capsys):
     """No MODEL_DIR: the shipped demo model answers the README's question about the shipped example image."""
-    rc, out, _ = _run(capsys, "--prompt", "<image>What color is the triangle?", "--image",
+    rc, out, _ = _run(capsys, "--prompt", "<image>Describe the image.", "--image",
                       str(REPO_ROOT / "examples" / "shapes.png"), "--json")
     assert rc == 0
     got = json.loads(out)
-    assert got["text"] == "red" and got["finish_reason"] == "stop"
+    assert got["text"] == "red triangle top left, blue circle right, green square bottom"
+    assert got["finish_reason"] == "stop"
 
 
 def test_cached_model_builds_once_atomically(duet_home):
