@@ -241,7 +241,8 @@ class DisaggCluster:
                     return
         except (asyncio.TimeoutError, RequestTimeoutError):
             self._abort(rid, decode, pw)
-            raise RequestTimeoutError(f"request {rid} did not finish within {self.spec.request_timeout_s:.0f} s")
+            raise RequestTimeoutError(
+                f"request {rid} did not finish within {self.spec.request_timeout_s:.0f} s") from None
         except DuetError:
             self._abort(rid, decode, pw)
             raise

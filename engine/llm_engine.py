@@ -86,18 +86,21 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         """Validate and queue a request. Raises InvalidRequestError (subclasses) and changes nothing on bad input."""
-        if request_id in self.requests:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        params = params or SamplingParams()
-        p = self.inputs.process(prompt)
-        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(p.token_ids),
-                       num_prompt_tokens=len(p.token_ids), params=params, block_size=self.config.block_size,
-                       prompt=p.prompt, mm=p.mm, metrics=RequestMetrics(arrival_time or time.perf_counter()),
-                       logits=[] if params.return_logits else None)
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+        seq = self._new_sequence(request_id, prompt, params or SamplingParams(), arrival_time)
+        if seq.params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(seq.params.seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id: str, prompt: Any, params: SamplingParams,
+                      arrival_time: float | None = None) -> Sequence:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        p = self.inputs.process(prompt)
+        return Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(p.token_ids),
+                        num_prompt_tokens=len(p.token_ids), params=params, block_size=self.config.block_size,
+                        prompt=p.prompt, mm=p.mm, metrics=RequestMetrics(arrival_time or time.perf_counter()),
+                        logits=[] if params.return_logits else None)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. Returns False if it is unknown or already done."""
@@ -179,14 +182,7 @@ class LLMEngine:
         The request waits in ``receiving`` (not scheduled) until :meth:`commit_prefilled` or
         :meth:`release_prefill`. Raises OutOfBlocksError (nothing reserved) when the pool cannot hold the prompt now.
         """
-        if request_id in self.requests:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        params = params or SamplingParams()
-        p = self.inputs.process(prompt)
-        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(p.token_ids),
-                       num_prompt_tokens=len(p.token_ids), params=params, block_size=self.config.block_size,
-                       prompt=p.prompt, mm=p.mm, metrics=RequestMetrics(time.perf_counter()),
-                       logits=[] if params.return_logits else None)
+        seq = self._new_sequence(request_id, prompt, params or SamplingParams())
         if not self.block_manager.can_allocate(seq, [], seq.num_tokens):
             raise OutOfBlocksError(f"{seq.num_tokens}-token prompt does not fit the free KV blocks now")
         self.block_manager.append_slots(seq, seq.num_tokens)

@@ -122,7 +122,8 @@ def load_weights(model: nn.Module, model_dir: Path, num_experts: int, dtype: tor
     if "text.lm_head.weight" not in tensors and "text.embed_tokens.weight" in tensors:
         tensors["text.lm_head.weight"] = tensors["text.embed_tokens.weight"]
     expected = model.state_dict()
-    vision_layers = len(getattr(model, "vision").layers) if getattr(model, "vision", None) is not None else 0
+    vision = getattr(model, "vision", None)
+    vision_layers = len(vision.layers) if vision is not None else 0
     missing = [k for k in expected if k not in tensors]
     if missing:
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")

@@ -26,9 +26,8 @@ class LlavaModel(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         model = model.to_empty(device=device).to(dtype)
-        for m in model.modules():  # buffers are not in the checkpoint
-            for name, buf in m.named_buffers(recurse=False):
-                buf.zero_()
+        for buf in model.buffers():  # buffers are not in the checkpoint
+            buf.zero_()
         with torch.no_grad():
             load_weights(model, Path(model_dir), cfg.text.num_experts, dtype)
             for layer in model.text.layers:

@@ -110,8 +110,8 @@ def test_abort_on_either_side_frees_both(tiny_model_dir):
 def test_lease_deadline_scales_with_bytes_and_expiry_frees_blocks(tiny_model_dir):
     import time
 
-    pm, dm = InprocManager(), InprocManager()
-    dw = DecodeWorker(tiny_model_dir, EngineConfig(**CFG), dm, lease_base_s=0.2, lease_min_rate_bps=1e9)
+    dw = DecodeWorker(tiny_model_dir, EngineConfig(**CFG), InprocManager(), lease_base_s=0.2,
+                      lease_min_rate_bps=1e9)
     prompt = make_request(9, seed=8)
     lease = dw.allocate("x", prompt, greedy(2))
     nbytes = lease.layout.transfer_nbytes(lease.num_blocks)
