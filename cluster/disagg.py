@@ -146,6 +146,10 @@ class DisaggCluster:
             except Exception:  # already dead
                 pass
             ray.kill(w.actor)
+        for w in self.decodes:
+            w.load.alive = False
+        for fut in self._pollers:
+            fut.cancel()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 

@@ -93,13 +93,15 @@ class DecodeActor:
     def _loop(self) -> None:
         while not self.stopped:
             with self.lock:
-                busy = self.worker.has_work()
-                events = self._step() if busy else []
+                decoding = self.worker.engine.has_unfinished_requests()
+                events = self._step() if decoding or self.worker.receivers else []
             if events:
                 with self.cond:
                     self.pending.extend(events)
                     self.cond.notify_all()
-            if not busy:
+            if not decoding:
+                # Only transfers in flight (or nothing): poll them every 2 ms instead of spinning, which would
+                # starve the transport's receive thread of the GIL and slow every transfer ~100x.
                 time.sleep(0.002)
 
     def _step(self) -> list[dict]:
