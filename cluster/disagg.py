@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cluster import messages
@@ -24,7 +25,7 @@ from cluster.spec import ClusterSpec
 from engine import SamplingParams
 from engine.config import ModelConfig
 from engine.errors import DuetError, OutOfBlocksError
-from engine.image_processor import ImageProcessor
+from engine.image_processor import ImageProcessor, load_image
 from engine.inputs import InputProcessor
 from engine.tokenizer import Tokenizer
 
@@ -73,7 +74,7 @@ class DisaggCluster:
                      log_to_driver=False, configure_logging=False)
         self.spec = spec
         cfg = ModelConfig.from_pretrained(spec.model_dir)
-        tok = Tokenizer.from_pretrained(spec.model_dir) if (_p(spec.model_dir) / "tokenizer.json").is_file() else None
+        tok = Tokenizer.from_pretrained(spec.model_dir) if (Path(spec.model_dir) / "tokenizer.json").is_file() else None
         improc = (ImageProcessor.from_pretrained(spec.model_dir, default_image_size=cfg.vision.image_size,
                                                  vision_model_type=cfg.vision.model_type) if cfg.vision else None)
         self.tokenizer = tok
@@ -102,11 +103,19 @@ class DisaggCluster:
     async def generate(self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None
                        ) -> AsyncIterator[dict]:
         """Stream ``{"token_ids": [...new], "finished": bool, "finish_reason": ...}`` deltas for one request."""
-        params = params or SamplingParams()
-        p = self.inputs.process(prompt)  # typed errors before anything is reserved
-        images = [] if p.mm is None else list(prompt.get("multi_modal_data", {}).get("image") or [])
-        images = images if isinstance(images, list) else [images]
-        wire = messages.prompt_to_wire(p.token_ids, [_as_image(i) for i in images])
+        p, wire = self._prepare(prompt)  # typed errors before anything is reserved
+        async for item in self._serve(p, wire, params or SamplingParams(), request_id):
+            yield item
+
+    def _prepare(self, prompt: Any) -> tuple[Any, dict]:
+        """Validate and tokenize once; returns the processed prompt and its wire form (ids + PNG images)."""
+        p = self.inputs.process(prompt)
+        raw = prompt.get("multi_modal_data", {}).get("image") if p.mm is not None else None
+        images = [] if raw is None else list(raw) if isinstance(raw, list | tuple) else [raw]
+        return p, messages.prompt_to_wire(p.token_ids, [load_image(i) for i in images])
+
+    async def _serve(self, p: Any, wire: dict, params: SamplingParams, request_id: str | None
+                     ) -> AsyncIterator[dict]:
         base_id = request_id or f"req-{next(self._ids)}"
         tried_d: set[str] = set()
         tried_p: set[str] = set()
@@ -115,13 +124,16 @@ class DisaggCluster:
             rid = base_id if attempt == 0 else f"{base_id}#retry{attempt}"
             result = self._attempt(rid, wire, params, p, frozenset(tried_d), frozenset(tried_p), deadline)
             failure = None
-            async for item in result:
-                if "failed" in item:
-                    failure = item
-                    break
-                yield {**item, "attempt": attempt + 1}
-                if item.get("finished"):
-                    return
+            try:
+                async for item in result:
+                    if "failed" in item:
+                        failure = item
+                        break
+                    yield {**item, "attempt": attempt + 1}
+                    if item.get("finished"):
+                        return
+            finally:
+                await result.aclose()
             if failure is None:
                 return
             tried_d.add(failure["decode"])
@@ -179,11 +191,11 @@ class DisaggCluster:
         return await asyncio.gather(*(self._collect(p, sp) for p, sp in zip(prompts, params, strict=True)))
 
     async def _collect(self, prompt: Any, params: SamplingParams) -> Completion:
-        p = self.inputs.process(prompt)
+        p, wire = self._prepare(prompt)
         c = Completion(request_id="", prompt_token_ids=p.token_ids)
         t0 = time.perf_counter()
         last = t0
-        async for item in self.generate(prompt, params):
+        async for item in self._serve(p, wire, params, None):
             now = time.perf_counter()
             if item["token_ids"] and c.ttft_s is None:
                 c.ttft_s = now - t0
@@ -287,18 +299,6 @@ class DisaggCluster:
                 q = self._queues.get(ev["request_id"])
                 if q is not None:
                     q.put_nowait(ev)
-
-
-def _p(path: str):
-    from pathlib import Path
-
-    return Path(path)
-
-
-def _as_image(x):
-    from engine.image_processor import load_image
-
-    return load_image(x)
 
 
 async def _aref(ref):

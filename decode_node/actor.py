@@ -11,9 +11,9 @@ import logging
 import threading
 import time
 
-import torch
 
 from cluster import messages
+from cluster.worker_actor import WorkerActorBase
 from decode_node.worker import DecodeWorker
 from engine import EngineConfig
 from engine.errors import DuetError
@@ -22,24 +22,19 @@ from kv_transfer import get_manager_class
 logger = logging.getLogger(__name__)
 
 
-class DecodeActor:
+class DecodeActor(WorkerActorBase):
+    role = "decode"
+
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *,
                  num_threads: int = 1, lease_base_s: float = 5.0, lease_min_rate_bps: float = 50e6) -> None:
-        torch.set_num_threads(max(1, num_threads))
-        self.worker_id = worker_id
+        self._init_common(worker_id, num_threads)
         self.manager = get_manager_class(transport)(worker_id=worker_id)
         self.worker = DecodeWorker(model_dir, EngineConfig(**engine_config), self.manager, lease_base_s=lease_base_s,
                                    lease_min_rate_bps=lease_min_rate_bps)
-        self.lock = threading.Lock()
         self.cond = threading.Condition()
         self.pending: list[dict] = []  # token deltas and failures not yet polled
         self.sent: dict[str, int] = {}  # tokens already reported per request
-        self.stopped = False
-        self.thread = threading.Thread(target=self._loop, name=f"decode-{worker_id}", daemon=True)
-        self.thread.start()
-
-    def ping(self) -> bytes:
-        return messages.pack(worker_id=self.worker_id, role="decode")
+        self._start()
 
     def allocate(self, msg: bytes) -> bytes:
         try:
@@ -75,13 +70,6 @@ class DecodeActor:
             e = self.worker.engine
             return messages.pack(worker_id=self.worker_id, free_blocks=self.worker.free_blocks,
                                  receiving=len(self.worker.receivers), running=len(e.scheduler.running))
-
-    def check_no_leaks(self) -> bytes:
-        with self.lock:
-            idle = not self.worker.has_work()
-            if idle:
-                self.worker.engine.block_manager.check_no_leaks()
-            return messages.pack(idle=idle, held=sum(b.ref_count > 0 for b in self.worker.engine.block_manager.blocks))
 
     def shutdown(self) -> None:
         self.stopped = True

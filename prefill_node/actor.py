@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 import threading
 
-import torch
 
 from cluster import messages
+from cluster.worker_actor import WorkerActorBase
 from engine import EngineConfig
 from engine.errors import DuetError
 from kv_transfer import Lease, get_manager_class
@@ -20,21 +20,16 @@ from prefill_node.worker import PrefillWorker
 logger = logging.getLogger(__name__)
 
 
-class PrefillActor:
+class PrefillActor(WorkerActorBase):
+    role = "prefill"
+
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *, num_threads: int = 1,
                  stream_layers: bool = True) -> None:
-        torch.set_num_threads(max(1, num_threads))  # Ray sets OMP_NUM_THREADS=1 for fractional actors
-        self.worker_id = worker_id
+        self._init_common(worker_id, num_threads)
         self.manager = get_manager_class(transport)(worker_id=worker_id)
         self.worker = PrefillWorker(model_dir, EngineConfig(**engine_config), stream_layers=stream_layers)
-        self.lock = threading.Lock()
         self.wake = threading.Event()
-        self.stopped = False
-        self.thread = threading.Thread(target=self._loop, name=f"prefill-{worker_id}", daemon=True)
-        self.thread.start()
-
-    def ping(self) -> bytes:
-        return messages.pack(worker_id=self.worker_id, role="prefill")
+        self._start()
 
     def submit(self, msg: bytes) -> bytes:
         try:
@@ -63,13 +58,6 @@ class PrefillActor:
             return messages.pack(worker_id=self.worker_id, outstanding_tokens=self.worker.outstanding_tokens,
                                  waiting=len(e.scheduler.waiting), running=len(e.scheduler.running),
                                  free_blocks=e.block_manager.num_free_blocks)
-
-    def check_no_leaks(self) -> bytes:
-        with self.lock:
-            idle = not self.worker.has_work()
-            if idle:
-                self.worker.engine.block_manager.check_no_leaks()
-            return messages.pack(idle=idle, held=sum(b.ref_count > 0 for b in self.worker.engine.block_manager.blocks))
 
     def inject_fault(self, kind: str, value: float) -> None:
         """Tests only: ``layer_delay_s`` (seconds after each layer's compute) or ``corrupt_next`` (count)."""

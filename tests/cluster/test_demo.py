@@ -36,8 +36,8 @@ def test_dataset_is_deterministic_balanced_and_consistent():
         else:
             n1, n2 = (len(x.shapes) for x in e.scenes)
             assert e.answer == ("the first" if n1 > n2 else "the second")
-    assert make_dataset(8, 40)[0].question != a[0].question or make_dataset(8, 40)[0].answer != a[0].answer or \
-        not np.array_equal(np.asarray(make_dataset(8, 1)[0].images()[0]), np.asarray(a[0].images()[0]))
+    other = make_dataset(8, 40)
+    assert [(e.question, e.answer) for e in other] != [(e.question, e.answer) for e in a]  # the seed matters
 
 
 def test_tokenizer_chat_template_and_image_token(tmp_path):
