@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decode", type=int, default=1, help="decode workers (--mode disagg)")
     g.add_argument("--kv-transport", choices=["gloo", "nccl", "grpc", "inproc"], default="gloo",
                    help="how KV moves from prefill to decode (--mode disagg)")
+    g.add_argument("--kv-compression", default="none", metavar="POLICY",
+                   help="KV compression on the wire (--mode disagg): none, default, aggressive, or a JSON policy")
     b = sub.add_parser("bench", help="benchmarks (table + JSON)")
     bsub = b.add_subparsers(dest="bench", required=True)
     from cluster.bench.engine_bench import add_arguments
@@ -60,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.bench.transfer_bench import add_arguments as add_transfer_arguments
 
     add_transfer_arguments(bsub.add_parser("transfer", help="KV hand-off prefill -> decode: TTFT, GB/s, exposed time"))
+    from cluster.bench.kvcodec_bench import add_arguments as add_kvcodec_arguments
+
+    add_kvcodec_arguments(bsub.add_parser("kv-codec", help="KV compression policies: bytes, speed, agreement, accuracy"))
     return p
 
 
@@ -82,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench.transfer_bench import run as run_transfer
 
             return run_transfer(args)
+        if args.command == "bench" and args.bench == "kv-codec":
+            from cluster.bench.kvcodec_bench import run as run_kvcodec
+
+            return run_kvcodec(args)
     except DuetError as e:
         print(f"duet: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -81,12 +81,13 @@ class DisaggCluster:
         self.inputs = InputProcessor(cfg, tok, improc, spec.max_model_len or min(cfg.text.max_position_embeddings, 4096))
         opts = dict(num_cpus=spec.cpus_per_worker, num_gpus=spec.gpus_per_worker, max_concurrency=16)
         threads = max(1, int(spec.cpus_per_worker))
+        compression = spec.compression_policy()
         self.prefills = [_Worker(WorkerLoad(f"prefill-{i}"), ray.remote(PrefillActor).options(**opts).remote(
             f"prefill-{i}", spec.model_dir, spec.engine_config("prefill"), spec.transport, num_threads=threads,
-            stream_layers=spec.stream_layers)) for i in range(spec.num_prefill)]
+            stream_layers=spec.stream_layers, compression=compression)) for i in range(spec.num_prefill)]
         self.decodes = [_Worker(WorkerLoad(f"decode-{i}"), ray.remote(DecodeActor).options(**opts).remote(
             f"decode-{i}", spec.model_dir, spec.engine_config("decode"), spec.transport, num_threads=threads,
-            lease_base_s=spec.lease_base_s, lease_min_rate_bps=spec.lease_min_rate_bps))
+            lease_base_s=spec.lease_base_s, lease_min_rate_bps=spec.lease_min_rate_bps, compression=compression))
             for i in range(spec.num_decode)]
         ray.get([w.actor.ping.remote() for w in self.prefills + self.decodes], timeout=300)
         for w in self.decodes:

@@ -17,6 +17,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from cluster.demo import default_model_dir
     from engine import SamplingParams
 
+    if args.mode == "local" and args.kv_compression != "none":
+        raise InvalidRequestError("--kv-compression applies to --mode disagg (local serving moves no KV)")
     images = [_load_image_file(p) for p in args.image]  # fail on a bad image before loading the model
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -68,6 +70,7 @@ def _run_disagg(args: argparse.Namespace, model_dir: str, images: list, params) 
 
     spec = ClusterSpec(model_dir=model_dir, num_prefill=args.prefill, num_decode=args.decode,
                        transport=args.kv_transport, dtype="float32" if args.dtype == "auto" else args.dtype,
+                       kv_compression=args.kv_compression,
                        gpus_per_worker=1.0 if args.device == "cuda" else 0.0)
     started = not ray.is_initialized()
     if started:

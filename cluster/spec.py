@@ -32,6 +32,7 @@ class ClusterSpec:
     request_timeout_s: float = 600.0
     lease_base_s: float = 5.0  # lease deadline = now + lease_base_s + bytes / lease_min_rate_bps
     lease_min_rate_bps: float = 50e6
+    kv_compression: str | dict | None = "none"  # a policy name, JSON or dict (kv_transfer.compression)
     extra_engine: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -49,6 +50,17 @@ class ClusterSpec:
         if self.transport == "nccl" and self.gpus_per_worker <= 0:
             raise InvalidRequestError("the nccl transport needs GPU workers (gpus_per_worker > 0)")
         ModelConfig.from_pretrained(self.model_dir)  # fail here, not in an actor, on an unusable checkpoint
+        self.compression_policy()  # raises on a bad policy
+
+    def compression_policy(self) -> dict | None:
+        """The KV compression policy as a dict for the workers (None: uncompressed)."""
+        from kv_transfer.compression import InvalidPolicy, resolve_policy
+
+        try:
+            policy = resolve_policy(self.kv_compression)
+        except InvalidPolicy as e:
+            raise InvalidRequestError(f"kv_compression: {e}") from None
+        return None if policy is None else policy.to_dict()
 
     def engine_config(self, role: str) -> dict:
         """EngineConfig fields for a worker of ``role`` (prefill workers skip prefix-free... same pool layout)."""

@@ -11,7 +11,6 @@ import logging
 import threading
 import time
 
-
 from cluster import messages
 from cluster.worker_actor import WorkerActorBase
 from decode_node.worker import DecodeWorker
@@ -26,11 +25,12 @@ class DecodeActor(WorkerActorBase):
     role = "decode"
 
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *,
-                 num_threads: int = 1, lease_base_s: float = 5.0, lease_min_rate_bps: float = 50e6) -> None:
+                 num_threads: int = 1, lease_base_s: float = 5.0, lease_min_rate_bps: float = 50e6,
+                 compression: dict | None = None) -> None:
         self._init_common(worker_id, num_threads)
         self.manager = get_manager_class(transport)(worker_id=worker_id)
         self.worker = DecodeWorker(model_dir, EngineConfig(**engine_config), self.manager, lease_base_s=lease_base_s,
-                                   lease_min_rate_bps=lease_min_rate_bps)
+                                   lease_min_rate_bps=lease_min_rate_bps, compression=compression)
         self.cond = threading.Condition()
         self.pending: list[dict] = []  # token deltas and failures not yet polled
         self.sent: dict[str, int] = {}  # tokens already reported per request

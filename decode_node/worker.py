@@ -23,7 +23,15 @@ from typing import Any
 import torch
 
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from kv_transfer import KVLayout, KVManager, KVPoll, KVReceiver, Lease, transfer_deadline
+from kv_transfer import (
+    KVLayout,
+    KVManager,
+    KVPoll,
+    KVReceiver,
+    Lease,
+    transfer_deadline,
+)
+from kv_transfer.compression import CompressionPolicy, resolve_policy
 from prefill_node.worker import generator_from_state
 
 logger = logging.getLogger(__name__)
@@ -50,8 +58,11 @@ class _TransferClock:
 
 class DecodeWorker:
     def __init__(self, model_dir: str | Path, config: EngineConfig, manager: KVManager, *, lease_base_s: float = 5.0,
-                 lease_min_rate_bps: float = 50e6) -> None:
+                 lease_min_rate_bps: float = 50e6, compression: str | dict | CompressionPolicy | None = None) -> None:
         self.lease_base_s, self.lease_min_rate_bps = lease_base_s, lease_min_rate_bps
+        # the cluster's policy: with one, received KV is approximate and stays out of the prefix cache (how each
+        # frame was encoded is read from its header, not from here)
+        self.lossy = resolve_policy(compression) is not None
         self.engine = LLMEngine(model_dir, config)
         self.manager = manager
         t = self.engine.model_config.text
@@ -83,10 +94,10 @@ class DecodeWorker:
         return lease
 
     def _sink(self, request_id: str):
-        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        def write(layer: int, k: torch.Tensor, v: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
             with self.recv_lock:
                 if request_id in self.engine.receiving:
-                    self.engine.write_layer(request_id, layer, k, v)
+                    self.engine.write_layer(request_id, layer, k, v, dropped)
                     clock = self.clocks.get(request_id)
                     if clock is not None:
                         now = time.time()
@@ -114,10 +125,11 @@ class DecodeWorker:
                 del self.receivers[rid]
                 meta = receiver.meta or {}
                 out = self.engine.commit_prefilled(rid, int(meta["first_token"]),
-                                                   generator_from_state(meta.get("generator_state")))
+                                                   generator_from_state(meta.get("generator_state")), lossy=self.lossy)
                 if "expert_hist" in meta:
                     report.routing_hints[rid] = meta["expert_hist"]
                 report.transfers[rid] = self._transfer_stats(rid, meta)
+                report.transfers[rid]["wire_bytes"] = getattr(receiver, "wire_bytes", report.transfers[rid]["bytes"])
                 report.outputs.append(out)
             elif state == KVPoll.FAILED:
                 del self.receivers[rid]

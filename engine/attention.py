@@ -30,6 +30,7 @@ class PrefillSpan:
     context_len: int
     block_table: torch.Tensor | None
     mask: torch.Tensor | None  # [length, context_len] bool, only with a block table
+    capture: int | None = None  # seq_id: keep this chunk's last queries in ``AttentionMetadata.captured``
 
 
 @dataclass
@@ -41,6 +42,7 @@ class DecodeBatch:
     max_len: int  # longest context in the batch, this step's token included
     dense: bool  # slots are exactly 0..B-1, so the batch is a view of the mirror
     mask: torch.Tensor  # [B, 1, 1, max_len] additive: 0 within each context, -inf after
+    layer_masks: list[torch.Tensor] | None = None  # per layer ``mask`` plus dropped-token bias (decode_mirror)
 
 
 @dataclass
@@ -50,6 +52,8 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode: DecodeBatch | None
     on_layer: Callable[[int], None] | None = None  # called after each decoder layer (KV export for disaggregation)
+    query_window: int = 0  # how many of a capturing span's last queries to keep
+    captured: dict[int, torch.Tensor] | None = None  # seq_id -> [<=query_window, H, D] queries of the current layer
 
 
 def causal_mask_with_prefix(length: int, context_len: int, device: torch.device) -> torch.Tensor:
@@ -82,6 +86,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
             o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
                                                attn_mask=span.mask, scale=scale, enable_gqa=True)
         out[s:e] = o.squeeze(0).transpose(0, 1)
+        if span.capture is not None and meta.captured is not None:
+            meta.captured[span.capture] = q[max(s, e - meta.query_window):e].clone()
     dec = meta.decode
     if dec is not None:
         p = meta.num_prefill_tokens
@@ -92,8 +98,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
             kd, vd = kv.mirror_k[:b, :, : dec.max_len], kv.mirror_v[:b, :, : dec.max_len]
         else:
             kd, vd = kv.mirror_k[dec.slots, :, : dec.max_len], kv.mirror_v[dec.slots, :, : dec.max_len]
-        o = F.scaled_dot_product_attention(q[p:].unsqueeze(2), kd, vd, attn_mask=dec.mask, scale=scale,
-                                           enable_gqa=True)
+        mask = dec.mask if dec.layer_masks is None else dec.layer_masks[kv.index]
+        o = F.scaled_dot_product_attention(q[p:].unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
         out[p:] = o.squeeze(2)
     return out
 
@@ -107,3 +113,4 @@ class LayerKV:
     v: torch.Tensor
     mirror_k: torch.Tensor
     mirror_v: torch.Tensor
+    index: int = 0  # layer number

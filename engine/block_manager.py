@@ -97,8 +97,8 @@ class BlockManager:
         return True
 
     def register_computed(self, seq: Sequence) -> None:
-        """Publish the hashes of ``seq``'s blocks whose KV is now fully computed."""
-        if not self.enable_prefix_caching:
+        """Publish the hashes of ``seq``'s blocks whose KV is now fully computed (never for approximate KV)."""
+        if not self.enable_prefix_caching or seq.kv_lossy:
             return
         full = seq.num_computed_tokens // self.block_size
         for i in range(seq.num_registered_blocks, full):

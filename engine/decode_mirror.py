@@ -7,6 +7,11 @@ attention reads, so a batch needs no transpose copy) — filled from
 the pool once when it starts decoding and then appended to one token per step. Slots are kept dense (a released slot
 takes the last slot's row), so when every decoding sequence is scheduled the batch is the view ``[:B, :max_len]``.
 
+Sequences whose received KV had tokens dropped on the wire (:mod:`kv_transfer.compression`) also get a per-layer
+additive bias row ``[slots, capacity]`` (``-inf`` at the dropped positions), allocated on first use; the runner adds
+it to the decode mask of the layers it belongs to, so the dropped keys get no attention while positions (and RoPE)
+of every other token stay where they were.
+
 All methods run under ``torch.inference_mode`` (tensors grown during a step are inference tensors).
 Call contract (model runner): ``assign`` before the step for each decoding sequence (fills new slots from the pool),
 ``release`` when a sequence finishes, is aborted or preempted. Memory: ``slots x capacity x kv_bytes_per_token``,
@@ -28,6 +33,8 @@ class DecodeKVMirror:
         self.v: list[torch.Tensor] = []
         self.slot_of: dict[int, int] = {}
         self.seq_in_slot: list[int] = []
+        self.bias: list[torch.Tensor] | None = None  # per layer [slots, capacity], only once a slot had drops
+        self.with_drops: set[int] = set()  # seq ids whose slot has a non-zero bias row
         self._alloc(min(initial_slots, max_slots), initial_capacity)
 
     @property
@@ -44,6 +51,18 @@ class DecodeKVMirror:
             for old, new in zip(self.k + self.v, new_k + new_v, strict=True):
                 new[:s, :, :c] = old
         self.k, self.v = new_k, new_v
+        if self.bias is not None:
+            self._alloc_bias()
+
+    @torch.inference_mode()
+    def _alloc_bias(self) -> None:
+        slots, cap = self.k[0].shape[0], self.k[0].shape[2]
+        new = [torch.zeros((slots, cap), dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        if self.bias is not None:
+            s, c = self.bias[0].shape
+            for old, n in zip(self.bias, new, strict=True):
+                n[:s, :c] = old
+        self.bias = new
 
     def _ensure(self, slots: int, length: int) -> None:
         cur_slots, cap = self.k[0].shape[0], self.k[0].shape[2]
@@ -58,9 +77,10 @@ class DecodeKVMirror:
 
     @torch.inference_mode()
     def assign(self, seq_id: int, num_cached: int, pool: list[tuple[torch.Tensor, torch.Tensor]],
-               block_table: list[int], next_len: int) -> int:
+               block_table: list[int], next_len: int, dropped: dict[int, torch.Tensor] | None = None) -> int:
         """Slot of ``seq_id``; a new slot is filled with its first ``num_cached`` tokens from the pool.
-        ``next_len`` is the length after this step (so the capacity can hold it)."""
+        ``next_len`` is the length after this step (so the capacity can hold it). ``dropped``: layer -> token
+        positions whose keys must get no attention (only read for a new slot)."""
         slot = self.slot_of.get(seq_id)
         if slot is None:
             slot = len(self.seq_in_slot)
@@ -74,6 +94,17 @@ class DecodeKVMirror:
                 for layer, (kc, vc) in enumerate(pool):
                     self.k[layer][slot, :, :num_cached] = kc[table].flatten(0, 1)[:num_cached].transpose(0, 1)
                     self.v[layer][slot, :, :num_cached] = vc[table].flatten(0, 1)[:num_cached].transpose(0, 1)
+            if dropped:
+                if self.bias is None:
+                    self._alloc_bias()
+                for layer in range(self.num_layers):
+                    self.bias[layer][slot].zero_()
+                for layer, positions in dropped.items():
+                    self.bias[layer][slot, positions.to(self.device)] = float("-inf")
+                self.with_drops.add(seq_id)
+            elif self.bias is not None:
+                for b in self.bias:
+                    b[slot].zero_()
         else:
             self._ensure(len(self.seq_in_slot), next_len)
         return slot
@@ -83,13 +114,22 @@ class DecodeKVMirror:
         slot = self.slot_of.pop(seq_id, None)
         if slot is None:
             return
+        self.with_drops.discard(seq_id)
         last = len(self.seq_in_slot) - 1
         moved = self.seq_in_slot.pop()
         if slot != last:
-            for t in self.k + self.v:
+            for t in self.k + self.v + (self.bias or []):
                 t[slot] = t[last]
             self.seq_in_slot[slot] = moved
             self.slot_of[moved] = slot
+
+    def layer_masks(self, seq_ids: list[int], slots: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor] | None:
+        """Per-layer decode masks (``mask`` [B, 1, 1, L] plus each slot's bias row) when a sequence of the batch
+        had tokens dropped; None otherwise (every layer uses ``mask``)."""
+        if self.bias is None or not self.with_drops.intersection(seq_ids):
+            return None
+        b, n = mask.shape[0], mask.shape[-1]
+        return [mask + bias[slots, :n].view(b, 1, 1, n) for bias in self.bias]
 
     @property
     def num_active(self) -> int:

@@ -191,17 +191,26 @@ class LLMEngine:
         self.receiving[request_id] = seq
         return list(seq.block_table)
 
-    def write_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one received layer of a receiving request's KV (``[num_blocks, block_size, kvh, d]`` each)."""
+    def write_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
+                    dropped: torch.Tensor | None = None) -> None:
+        """Store one received layer of a receiving request's KV (``[num_blocks, block_size, kvh, d]`` each).
+        ``dropped``: prompt positions the sender left out of this layer; decoding gives them no attention."""
         seq = self.receiving[request_id]
         self.runner.write_layer(seq.block_table, layer, k, v)
+        if dropped is not None and dropped.numel():
+            if seq.kv_dropped is None:
+                seq.kv_dropped = {}
+            seq.kv_dropped[layer] = dropped
 
-    def commit_prefilled(self, request_id: str, first_token: int, generator_state: torch.Tensor | None = None
-                         ) -> RequestOutput:
+    def commit_prefilled(self, request_id: str, first_token: int, generator_state: torch.Tensor | None = None,
+                         *, lossy: bool = False) -> RequestOutput:
         """All layers arrived and verified: the request joins the running batch with its first token (sampled by
-        the prefill worker). Returns the output after that token (finished if it already ended the request)."""
+        the prefill worker). Returns the output after that token (finished if it already ended the request).
+        ``lossy``: the KV was compressed on the wire, so its blocks are not published to the prefix cache (a later
+        prompt must never reuse approximate KV as if it were exact)."""
         seq = self.receiving.pop(request_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.kv_lossy = lossy
         self.block_manager.register_computed(seq)
         if seq.params.seed is not None:
             seq.generator = torch.Generator()

@@ -13,7 +13,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, DecodeBatch, LayerKV, PrefillSpan, causal_mask_with_prefix
+from engine.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    LayerKV,
+    PrefillSpan,
+    causal_mask_with_prefix,
+)
 from engine.decode_mirror import DecodeKVMirror
 from engine.layers import RotaryEmbedding
 from engine.model import LlavaModel
@@ -34,6 +40,8 @@ class ModelRunner:
         self.rope = RotaryEmbedding(t.head_dim, t.rope_theta, max_model_len, device)
         self.vision_cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.vision_cache_size = vision_cache_size
+        self.query_window = 0  # > 0: keep the last queries of completing prompts per layer (KV importance scores)
+        self.captured_queries: dict[int, torch.Tensor] = {}  # seq_id -> this layer's window, during a step
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -41,11 +49,14 @@ class ModelRunner:
         return 2 * len(self.pool) * k.shape[2] * k.shape[3] * k.element_size()
 
     def kv_layers(self) -> list[LayerKV]:
-        return [LayerKV(k, v, mk, mv) for (k, v), mk, mv in zip(self.pool, self.mirror.k, self.mirror.v, strict=True)]
+        return [LayerKV(k, v, mk, mv, i)
+                for i, ((k, v), mk, mv) in enumerate(zip(self.pool, self.mirror.k, self.mirror.v, strict=True))]
 
     def release(self, seq: Sequence) -> None:
-        """Drop ``seq``'s decode staging (call when it finishes, is aborted or preempted)."""
+        """Drop ``seq``'s decode staging (call when it finishes, is aborted or preempted). A preempted sequence
+        recomputes its whole prompt here, so dropped-token marks from a transfer no longer apply."""
         self.mirror.release(seq.seq_id)
+        seq.kv_dropped, seq.kv_lossy = None, False
 
     def encode_pending_images(self, seqs: list[Sequence]) -> None:
         """Compute image features for sequences scheduled for the first time, reusing cached encodings."""
@@ -91,7 +102,8 @@ class ModelRunner:
             slots.append(self._slots(seq, c, n))
             table = None if c == 0 else torch.tensor(seq.block_table[: -(-(c + n) // self.block_size)], device=dev)
             mask = None if c == 0 else causal_mask_with_prefix(n, c + n, dev)
-            spans.append(PrefillSpan(start, n, c + n, table, mask))
+            capture = seq.seq_id if self.query_window and s.samples and seq.num_output_tokens == 0 else None
+            spans.append(PrefillSpan(start, n, c + n, table, mask, capture))
             if seq.mm is not None and c < seq.num_prompt_tokens:
                 lo, hi = np.searchsorted(seq.mm.positions, [c, c + n])
                 if hi > lo:
@@ -105,7 +117,7 @@ class ModelRunner:
         if sched.decodes:
             for s in sched.decodes:
                 c = s.seq.num_computed_tokens
-                self.mirror.assign(s.seq.seq_id, c, self.pool, s.seq.block_table, c + 1)
+                self.mirror.assign(s.seq.seq_id, c, self.pool, s.seq.block_table, c + 1, s.seq.kv_dropped)
             decodes = sorted(sched.decodes, key=lambda s: self.mirror.slot_of[s.seq.seq_id])
             order += decodes
             b = len(decodes)
@@ -131,9 +143,13 @@ class ModelRunner:
             # additive float mask, built once per step (a bool mask would be converted by every layer's SDPA)
             mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
             dense = bool((slot_ids == np.arange(b)).all())
-            decode = DecodeBatch(torch.from_numpy(slot_ids).to(dev), lens_t - 1, max_len, dense, mask)
+            slots_t = torch.from_numpy(slot_ids).to(dev)
+            layer_masks = self.mirror.layer_masks([s.seq.seq_id for s in decodes], slots_t, mask)
+            decode = DecodeBatch(slots_t, lens_t - 1, max_len, dense, mask, layer_masks)
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev), prefills=spans,
-                                 num_prefill_tokens=num_prefill, decode=decode)
+                                 num_prefill_tokens=num_prefill, decode=decode, query_window=self.query_window)
+        if self.query_window:
+            self.captured_queries = meta.captured = {}
         mm = None
         if mm_idx:
             mm = (torch.from_numpy(np.concatenate(mm_idx)).to(dev), torch.cat(mm_rows, dim=0))

@@ -65,6 +65,8 @@ class Sequence:
     generator: torch.Generator | None = None
     logits: list[torch.Tensor] | None = None
     expert_hist: np.ndarray | None = None  # [num_layers, num_experts] routing choices, when the runner tracks them
+    kv_lossy: bool = False  # its prompt KV arrived compressed: approximate, never published to the prefix cache
+    kv_dropped: dict[int, torch.Tensor] | None = None  # layer -> prompt positions dropped on the wire (decode side)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
     _block_hashes: list[bytes] = field(default_factory=list)
 

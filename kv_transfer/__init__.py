@@ -3,6 +3,7 @@
 Must not import the model (``engine``).
 
 A transfer is one request's KV, all layers, plus a final metadata frame. Contract: :mod:`kv_transfer.base`.
+Compression on the wire: :mod:`kv_transfer.compression` (per-modality policies, codec ``"modal"``).
 Transports (same class names ``Manager`` / ``Sender`` / ``Receiver`` in each sub-package; pick one with
 :func:`get_manager_class`): ``inproc`` (queues, one process), ``gloo`` / ``nccl`` (torch.distributed pair groups),
 ``grpc`` (client-streaming calls).
@@ -10,7 +11,7 @@ Transports (same class names ``Manager`` / ``Sender`` / ``Receiver`` in each sub
 Queues and states, decode side::
 
     expect(lease, sink)                      WAITING        registered in its manager, blocks reserved
-      -> frames arrive on a transport thread TRANSFERRING   each layer verified (crc32 per block), then sink()
+      -> frames arrive on a transport thread TRANSFERRING   each layer verified (crc32), decoded, then sink()
       -> finish frame, every layer present   SUCCESS        meta available; the sender is told ("done")
       (checksum / missing layer / abort / deadline / peer gone -> FAILED, the sender is told when it can be)
 
@@ -43,28 +44,46 @@ from kv_transfer.base import (
                               transfer_deadline,
 )
 from kv_transfer.codec import Codec, IdentityCodec, get_codec, register_codec
+from kv_transfer.compression import (
+                              CodecContext,
+                              CompressionPolicy,
+                              InvalidPolicy,
+                              Method,
+                              ModalCodec,
+                              codec_for,
+                              needs_scores,
+                              resolve_policy,
+)
 from kv_transfer.registry import TRANSPORTS, get_manager_class
 
 __all__ = [
                               "TRANSPORTS",
                               "ChecksumMismatch",
                               "Codec",
+                              "CodecContext",
+                              "CompressionPolicy",
                               "IdentityCodec",
+                              "InvalidPolicy",
                               "KVLayout",
                               "KVManager",
                               "KVPoll",
                               "KVReceiver",
                               "KVSender",
                               "Lease",
+                              "Method",
                               "MissingLayer",
+                              "ModalCodec",
                               "PeerUnavailable",
                               "ProtocolError",
                               "Sink",
                               "TransferAborted",
                               "TransferError",
                               "TransferTimeout",
+                              "codec_for",
                               "get_codec",
                               "get_manager_class",
+                              "needs_scores",
                               "register_codec",
+                              "resolve_policy",
                               "transfer_deadline",
 ]

@@ -27,12 +27,22 @@ import torch
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+    from kv_transfer.codec import Codec
+    from kv_transfer.compression import CodecContext
+
 LEASE_VERSION = 1
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-Sink = Callable[[int, torch.Tensor, torch.Tensor], None]
-"""``sink(layer, k, v)``: k, v are ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the layout's dtype."""
+Sink = Callable[..., None]
+"""``sink(layer, k, v)``: k, v are ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the layout's dtype.
+
+When the sender dropped tokens (a compression policy with ``keep_visual_tokens < 1``) the call is
+``sink(layer, k, v, dropped=positions)``: ``positions`` is a sorted ``LongTensor`` (on k's device) of token
+positions (``block * block_size + offset``) whose K/V did not travel (their rows are zero; the decode side must
+mask them out of attention). Channels a policy pruned also arrive as zeros. Without dropped tokens the call is exactly
+``sink(layer, k, v)``, so three-argument sinks keep working as long as no policy drops tokens.
+"""
 
 
 class KVPoll(IntEnum):
@@ -168,10 +178,12 @@ class Lease:
 class KVSender(abc.ABC):
     """Prefill side of one request's transfer. Made by ``KVManager.sender(lease)``; used from one thread.
 
-    * ``send_layer(layer, k, v)``: once per layer, any order. Non-blocking: copies ``k``/``v`` (so the caller may
-      reuse its buffers as soon as it returns) and enqueues; encoding, checksums and I/O run on a transport thread.
-      Raises ``ValueError`` for a wrong shape/dtype, a layer out of range or sent twice, or a call after ``finish``.
-      After the transfer FAILED it drops the layer silently (check ``poll()``).
+    * ``send_layer(layer, k, v, ctx=None)``: once per layer, any order. Non-blocking: copies ``k``/``v`` and the
+      context's tensors (so the caller may reuse its buffers as soon as it returns) and enqueues; encoding,
+      checksums and I/O run on a transport thread. ``ctx`` (:class:`~kv_transfer.compression.CodecContext`: valid
+      tokens, which are visual, importance scores) is for compressing codecs; the identity codec ignores it.
+      Raises ``ValueError`` for a wrong shape/dtype, a context that does not fit, a layer out of range or sent
+      twice, or a call after ``finish``. After the transfer FAILED it drops the layer silently (check ``poll()``).
     * ``finish(meta)``: once, after the layers; ``meta`` is a msgpack-able dict (first token, expert histogram...)
       delivered to the receiver's ``meta``. A layer never sent makes both sides fail with :class:`MissingLayer`.
     * SUCCESS means the receiver verified every layer and the final frame.
@@ -184,7 +196,7 @@ class KVSender(abc.ABC):
     lease: Lease
 
     @abc.abstractmethod
-    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, ctx: CodecContext | None = None) -> None: ...
 
     @abc.abstractmethod
     def finish(self, meta: dict[str, Any]) -> None: ...
@@ -207,11 +219,11 @@ class KVSender(abc.ABC):
 class KVReceiver(abc.ABC):
     """Decode side of one request's transfer. Made by ``KVManager.expect(lease, sink)``.
 
-    The sink is called on a transport thread, once per verified layer, in arrival order; it must copy the tensors
-    into the pool quickly (it holds up its link meanwhile). It is never called for a layer whose checksum failed,
-    and never again once ``abort()`` returned or the transfer failed. SUCCESS: every layer arrived exactly once,
-    verified, and the final frame arrived; ``meta`` then holds the sender's ``finish`` dict. Until the receiver is
-    terminal the decode side owns its blocks but must not read them.
+    The sink (see :data:`Sink`) is called on a transport thread, once per verified layer, in arrival order; it must
+    copy the tensors into the pool quickly (it holds up its link meanwhile). It is never called for a layer whose
+    checksum failed, and never again once ``abort()`` returned or the transfer failed. SUCCESS: every layer arrived
+    exactly once, verified, and the final frame arrived; ``meta`` then holds the sender's ``finish`` dict. Until the
+    receiver is terminal the decode side owns its blocks but must not read them.
     """
 
     lease: Lease
@@ -258,8 +270,12 @@ class KVManager(abc.ABC):
         """
 
     @abc.abstractmethod
-    def sender(self, lease: Lease) -> KVSender:
+    def sender(self, lease: Lease, *, codec: Codec | None = None) -> KVSender:
         """Prefill side: start the transfer described by a lease issued by a manager of the same transport.
+
+        ``codec``: encodes this transfer's layers instead of the manager's default codec (e.g. a
+        :class:`~kv_transfer.compression.ModalCodec` for the request's policy); the receiving process must have a
+        codec of the same ``name`` registered.
 
         An unreachable peer does not raise here: the sender ends FAILED with :class:`PeerUnavailable`. Raises
         ``ValueError`` for a lease of another transport and :class:`PeerUnavailable` when this manager is closed.

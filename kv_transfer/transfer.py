@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,9 @@ from kv_transfer.base import (
     error_from_name,
 )
 from kv_transfer.codec import Codec, decode_layer, encode_layer
+
+if TYPE_CHECKING:
+    from kv_transfer.compression import CodecContext
 
 log = logging.getLogger(__name__)
 TERMINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
@@ -106,6 +109,7 @@ class LayerJob:
     layer: int
     k: torch.Tensor
     v: torch.Tensor
+    ctx: CodecContext | None = None  # the sender's own copy (CodecContext.detached)
     ready: Any = None  # torch.cuda.Event recorded after the copy, when the tensors are on a GPU
 
 
@@ -125,7 +129,7 @@ class BaseSender(Transfer, KVSender):
         self._finished = self._finish_encoded = False
         self._lock = threading.Lock()
 
-    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, ctx: CodecContext | None = None) -> None:
         layout = self.lease.layout
         shape = layout.block_shape(self.lease.num_blocks)
         if not 0 <= layer < layout.num_layers:
@@ -133,6 +137,8 @@ class BaseSender(Transfer, KVSender):
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != shape or t.dtype != layout.torch_dtype:
                 raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype}; the lease needs {shape} {layout.torch_dtype}")
+        if ctx is not None:
+            ctx.check(shape)
         with self._lock:
             if self._finished:
                 raise ValueError(f"request {self.request_id!r}: send_layer after finish")
@@ -141,7 +147,7 @@ class BaseSender(Transfer, KVSender):
             self._sent[layer] = 1
         if self._state is KVPoll.FAILED:
             return
-        job = LayerJob(self, layer, k.detach().clone(), v.detach().clone())
+        job = LayerJob(self, layer, k.detach().clone(), v.detach().clone(), None if ctx is None else ctx.detached())
         if job.k.is_cuda:
             job.ready = torch.cuda.Event()
             job.ready.record()
@@ -165,10 +171,8 @@ class BaseSender(Transfer, KVSender):
             return frames.finish_frame(self.request_id, job.meta), None
         if job.ready is not None:
             job.ready.synchronize()
-        k, v = job.k, job.v
-        if self._payload_device is not None and k.device != self._payload_device:
-            k, v = k.to(self._payload_device), v.to(self._payload_device)
-        codec_header, payload = encode_layer(self.request_id, job.layer, k, v, self._codec)
+        codec_header, payload = encode_layer(self.request_id, job.layer, job.k, job.v, self._codec, job.ctx,
+                                             payload_device=self._payload_device)
         header = frames.layer_frame(codec_header)
         if self.tamper is not None:
             self.tamper(header, payload)
@@ -199,6 +203,7 @@ class BaseReceiver(Transfer, KVReceiver):
         self._sink, self._on_done = sink, on_done
         self._sink_lock = threading.RLock()
         self._arrived = bytearray(lease.layout.num_layers)
+        self.wire_bytes = 0  # payload bytes of the verified layers (what travelled, after compression)
         self._meta: dict[str, Any] | None = None
 
     @property
@@ -235,13 +240,17 @@ class BaseReceiver(Transfer, KVReceiver):
                                         f"; the lease has {self.lease.num_blocks}")
                 if self._arrived[layer]:
                     raise ProtocolError(f"layer {layer} arrived twice")
-                k, v = decode_layer(header, payload, self.lease.layout)
+                k, v, dropped = decode_layer(header, payload, self.lease.layout)
+                self.wire_bytes += 0 if payload is None else payload.numel()
             except TransferError as e:
                 self._fail(e, notify_peer=True)
                 return
             self._advance(KVPoll.TRANSFERRING)
             try:
-                self._sink(layer, k, v)
+                if dropped is None:
+                    self._sink(layer, k, v)
+                else:
+                    self._sink(layer, k, v, dropped=dropped)
             except Exception as e:  # the sink is caller code: any failure ends this transfer only
                 log.exception("sink failed for request %r layer %d", self.request_id, layer)
                 self._fail(TransferError(f"sink raised {e!r}"), notify_peer=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import threading
 
-
 from cluster import messages
 from cluster.worker_actor import WorkerActorBase
 from engine import EngineConfig
@@ -24,10 +23,11 @@ class PrefillActor(WorkerActorBase):
     role = "prefill"
 
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *, num_threads: int = 1,
-                 stream_layers: bool = True) -> None:
+                 stream_layers: bool = True, compression: dict | None = None) -> None:
         self._init_common(worker_id, num_threads)
         self.manager = get_manager_class(transport)(worker_id=worker_id)
-        self.worker = PrefillWorker(model_dir, EngineConfig(**engine_config), stream_layers=stream_layers)
+        self.worker = PrefillWorker(model_dir, EngineConfig(**engine_config), stream_layers=stream_layers,
+                                    compression=compression)
         self.wake = threading.Event()
         self._start()
 
@@ -36,7 +36,7 @@ class PrefillActor(WorkerActorBase):
             m = messages.unpack(msg)
             lease = Lease.from_dict(m["lease"])
             with self.lock:
-                sender = self.manager.sender(lease)
+                sender = self.manager.sender(lease, codec=self.worker.codec)
                 try:
                     self.worker.submit(m["request_id"], messages.prompt_from_wire(m["prompt"]),
                                        messages.params_from_dict(m["params"]), sender)

@@ -21,18 +21,35 @@ import numpy as np
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kv_importance import kv_importance
 from engine.sequence import Sequence
 from kv_transfer import KVPoll, KVSender
+from kv_transfer.compression import (
+    CodecContext,
+    CompressionPolicy,
+    codec_for,
+    needs_scores,
+    resolve_policy,
+)
 
 logger = logging.getLogger(__name__)
 
 
+QUERY_WINDOW = 32  # the prompt's last queries that score KV channels and tokens for pruning
+
+
 class PrefillWorker:
-    def __init__(self, model_dir: str | Path, config: EngineConfig, *, stream_layers: bool = True) -> None:
+    def __init__(self, model_dir: str | Path, config: EngineConfig, *, stream_layers: bool = True,
+                 compression: str | dict | CompressionPolicy | None = None) -> None:
         self.engine = LLMEngine(model_dir, config)
         self.engine.runner.track_routing = self.engine.model_config.text.is_moe
         self.engine.kv_exporter = self._export
         self.stream_layers = stream_layers
+        self.compression = resolve_policy(compression)
+        self.codec = codec_for(self.compression)  # the senders' codec (identity without a policy)
+        self._score = self.compression is not None and needs_scores(self.compression)
+        if self._score:
+            self.engine.runner.query_window = QUERY_WINDOW
         self.senders: dict[str, KVSender] = {}
         self._held: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self._seqs: dict[str, Sequence] = {}
@@ -80,8 +97,8 @@ class PrefillWorker:
             sender = self.senders.pop(rid, None)
             if sender is None:
                 continue
-            for layer, k, v in self._held.pop(rid, []):
-                sender.send_layer(layer, k, v)
+            for layer, k, v, ctx in self._held.pop(rid, []):
+                sender.send_layer(layer, k, v, ctx)
             meta = self._finish_meta(out.outputs[0].token_ids[0], seq)
             meta["compute_done_s"] = self._compute_done.pop(rid, time.time())
             sender.finish(meta)
@@ -100,12 +117,29 @@ class PrefillWorker:
             if sender is None:
                 continue
             k, v = self.engine.runner.gather_layer(seq, layer)
+            ctx = None if self.compression is None else self._codec_context(seq, k, v)
             if last:
                 self._compute_done[seq.request_id] = time.time()
             if self.stream_layers:
-                sender.send_layer(layer, k, v)
+                sender.send_layer(layer, k, v, ctx)
             else:
-                self._held.setdefault(seq.request_id, []).append((layer, k, v))
+                self._held.setdefault(seq.request_id, []).append((layer, k, v, ctx))
+
+    def _codec_context(self, seq: Sequence, k: torch.Tensor, v: torch.Tensor) -> CodecContext:
+        """What the codec needs to know about this layer of ``seq``'s prompt: which tokens are visual and, when the
+        policy prunes, the importance scores from the prompt's last queries (:mod:`engine.kv_importance`)."""
+        n = seq.num_prompt_tokens
+        visual = torch.zeros(n, dtype=torch.bool, device=k.device)
+        if seq.mm is not None:
+            visual[torch.from_numpy(seq.mm.positions).to(k.device)] = True
+        ctx = CodecContext(num_tokens=n, visual=visual)
+        q = self.engine.runner.captured_queries.get(seq.seq_id) if self._score else None
+        if q is not None:
+            kk, vv = k.flatten(0, 1)[:n], v.flatten(0, 1)[:n]
+            imp = kv_importance(q, kk, vv, scale=self.engine.model_config.text.head_dim ** -0.5,
+                                query_is_text=~visual[n - q.shape[0]:])
+            ctx.k_channel_score, ctx.v_channel_score, ctx.token_score = imp.k_channel, imp.v_channel, imp.token
+        return ctx
 
     @staticmethod
     def _finish_meta(first_token: int, seq: Sequence | None) -> dict:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer.base import KVManager, Lease, PeerUnavailable, Sink, TransferAborted
-from kv_transfer.codec import get_codec
+from kv_transfer.codec import Codec, get_codec
 from kv_transfer.gloo import rendezvous
 from kv_transfer.gloo.pair import GroupsFactory, Pair
 from kv_transfer.link import LinkState
@@ -98,10 +98,10 @@ class Manager(KVManager):
         self._watch.add(receiver)
         return receiver
 
-    def sender(self, lease: Lease) -> Sender:
+    def sender(self, lease: Lease, *, codec: Codec | None = None) -> Sender:
         self._check(lease)
-        sender = Sender(lease, link=self._pair_to(lease.endpoint), dispatcher=self._dispatcher, codec=self._codec,
-                        payload_device=self._payload_device)
+        sender = Sender(lease, link=self._pair_to(lease.endpoint), dispatcher=self._dispatcher,
+                        codec=self._codec if codec is None else codec, payload_device=self._payload_device)
         self._watch.add(sender)
         return sender
 

@@ -73,13 +73,14 @@ class Manager(KVManager):
         self._register("receiver", receiver)
         return receiver
 
-    def sender(self, lease: Lease) -> Sender:
+    def sender(self, lease: Lease, *, codec: Codec | None = None) -> Sender:
         self._check(lease)
         push = self._channel(lease.endpoint).stream_unary(PUSH)
         with self._lock:
             if ("sender", lease.request_id) in self._live:
                 raise ValueError(f"a live transfer for request {lease.request_id!r} already exists here")
-        sender = Sender(lease, push=push, codec=self._codec, chunk_bytes=self._chunk_bytes, on_terminal=self._forget)
+        sender = Sender(lease, push=push, codec=self._codec if codec is None else codec, chunk_bytes=self._chunk_bytes,
+                        on_terminal=self._forget)
         self._register("sender", sender)
         return sender
 

@@ -93,11 +93,11 @@ class Manager(KVManager):
         self._watch.add(receiver)
         return receiver
 
-    def sender(self, lease: Lease) -> Sender:
+    def sender(self, lease: Lease, *, codec: Codec | None = None) -> Sender:
         self._check(lease)
         link = self._link_to(lease.endpoint) or Link.unreachable(
             self._dispatcher, f"no in-process KV manager at {lease.endpoint} (closed or in another process)")
-        sender = Sender(lease, link=link, dispatcher=self._dispatcher, codec=self._codec)
+        sender = Sender(lease, link=link, dispatcher=self._dispatcher, codec=self._codec if codec is None else codec)
         self._watch.add(sender)
         return sender
 

@@ -172,3 +172,24 @@ def test_client_abort_frees_everything(fault_cluster):
     ray.get([w.actor.inject_fault.remote("layer_delay_s", 0.0) for w in fault_cluster.prefills])
     time.sleep(0.5)
     _assert_idle(fault_cluster)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("policy", ["default", "aggressive"])
+def test_compressed_kv_runs_end_to_end(ray_cluster, tiny_model_dir, transport, policy):
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), transport=transport, kv_compression=policy, num_kv_blocks=64,
+                       block_size=4, max_num_seqs=8, max_model_len=128, request_timeout_s=60)
+    c = DisaggCluster(spec)
+    try:
+        prompts = [make_request(5 + i, seed=20 + i, images=[make_image(i)] * (1 + i % 2)) for i in range(3)]
+        got = c.generate_batch(prompts, greedy(4))
+        assert [len(x.token_ids) for x in got] == [4, 4, 4] and all(x.attempts == 1 for x in got)
+        assert all(0 < x.kv_transfer["wire_bytes"] < x.kv_transfer["bytes"] for x in got)
+        _assert_idle(c)
+    finally:
+        c.shutdown()
+
+
+def test_bad_compression_policy_is_rejected_before_anything_starts(tiny_model_dir):
+    with pytest.raises(InvalidRequestError, match="kv_compression"):
+        ClusterSpec(model_dir=str(tiny_model_dir), kv_compression={"visual": {"kind": "int", "bits": 3, "group": 8}})

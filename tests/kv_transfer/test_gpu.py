@@ -29,7 +29,7 @@ def test_identity_codec_on_cuda_matches_cpu() -> None:
     cpu_header, _ = encode_layer("r", 2, k, v, IdentityCodec())
     header, payload = encode_layer("r", 2, k.cuda(), v.cuda(), IdentityCodec())
     assert payload.is_cuda and header["checksums"] == cpu_header["checksums"]
-    k2, v2 = decode_layer(header, payload, layout)
+    k2, v2, _ = decode_layer(header, payload, layout)
     assert k2.is_cuda and torch.equal(k2.cpu(), k) and torch.equal(v2.cpu(), v)
 
 

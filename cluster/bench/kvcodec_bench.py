@@ -1,0 +1,372 @@
+"""``duet bench kv-codec [MODEL_DIR]``: what each KV compression policy saves on the wire and what it costs.
+
+For every policy (default: ``none``, ``default``, ``aggressive``), in one run on the demo model (or MODEL_DIR):
+
+* bytes -- the real prompts' KV as the prefill worker hands it to its sender (captured, all layers): bytes per text
+  token and per visual token as encoded (codes + scales + masks, from the codec's own accounting), and the ratios
+  against the raw pool dtype and against float32 / bfloat16 of the same tokens;
+* speed -- encode and decode GB/s of those layers (uncompressed bytes / seconds, best of 3), and whether encode +
+  decode is faster than sending the saved bytes over gloo at the rate this run measures (or ``--gloo-gbps``);
+* quality -- through an in-process prefill -> decode pair (the full frame path): greedy agreement with the
+  uncompressed cache over ``--prompts`` prompts x ``--tokens`` tokens, mean next-token KL divergence (decode steps
+  whose prefix still agrees), and demo-task exact-match accuracy on ``--n`` held-out questions;
+* end to end -- TTFT of a 1 prefill + 1 decode Ray cluster over gloo and gRPC (``--transports``; ``--skip-e2e``
+  to leave it out) on prompts of ``--e2e-images`` images each, median of ``--e2e-requests``.
+
+Criteria of the issue: ``default`` >= 99% agreement and accuracy within 1 point of ``none``; ``aggressive`` >= 95%
+agreement and within 3 points; visual bytes ``default`` >= 3.5x under float32 and >= 1.8x under bfloat16,
+``aggressive`` >= 7x under float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cluster.bench.report import fmt, format_table, write_json
+
+POLICIES = ("none", "default", "aggressive")
+CRITERIA = {"default": {"agreement": 0.99, "accuracy_drop": 1.0, "visual_vs_float32": 3.5, "visual_vs_bfloat16": 1.8},
+            "aggressive": {"agreement": 0.95, "accuracy_drop": 3.0, "visual_vs_float32": 7.0}}
+AGREEMENT_SEED = 2_000_003  # prompts for agreement / KL (not the accuracy set, not training)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", nargs="?", help="checkpoint directory (default: the shipped demo model)")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated policy names (JSON policies: repeat --policy)")
+    p.add_argument("--policy", action="append", default=[], metavar="JSON", help="an extra custom policy")
+    p.add_argument("--prompts", type=int, default=32, help="prompts for greedy agreement and KL")
+    p.add_argument("--tokens", type=int, default=32, help="tokens generated per prompt (EOS ignored)")
+    p.add_argument("--n", type=int, default=200, help="held-out questions for task accuracy (0: skip)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--transports", default="gloo,grpc", help="end-to-end TTFT transports")
+    p.add_argument("--e2e-images", type=int, default=8, help="images per end-to-end prompt")
+    p.add_argument("--e2e-requests", type=int, default=5, help="end-to-end requests per policy and transport")
+    p.add_argument("--skip-e2e", action="store_true", help="leave out the Ray end-to-end TTFT runs")
+    p.add_argument("--gloo-gbps", type=float, default=None,
+                   help="gloo rate for the encode+decode-vs-wire check (default: measured by the e2e runs)")
+    p.add_argument("--json", default="bench_out/kv_codec.json", help="where to write the results")
+
+
+# ----------------------------------------------------------------------------------------------------- pure helpers
+def agreement(ref: list[list[int]], got: list[list[int]]) -> float:
+    """Fraction of positions where ``got`` equals ``ref`` (same prompts, same lengths)."""
+    total = sum(len(r) for r in ref)
+    same = sum(a == b for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=False))
+    return same / max(1, total)
+
+
+def mean_kl(ref_tokens: list[list[int]], ref_logits: list[list[torch.Tensor]], tokens: list[list[int]],
+            logits: list[list[torch.Tensor]]) -> float:
+    """Mean KL(ref || got) of next-token distributions over decode steps whose generated prefix still agrees.
+
+    ``*_logits[i][j]`` is the distribution of token ``j + 1`` (the first token comes from prefill)."""
+    kls = []
+    for rt, rl, gt, gl in zip(ref_tokens, ref_logits, tokens, logits, strict=True):
+        for j in range(min(len(rl), len(gl))):
+            if rt[: j + 1] != gt[: j + 1]:
+                break
+            p, q = rl[j].float().log_softmax(-1), gl[j].float().log_softmax(-1)
+            kls.append(float((p.exp() * (p - q)).sum()))
+    return sum(kls) / max(1, len(kls))
+
+
+def byte_summary(stats: list[dict], num_layers: int, raw_bytes_per_token: float, itemsize: int) -> dict:
+    """Per-modality bytes per prompt token from the codec's per-layer ``stats`` (summed over layers and prompts;
+    dropped tokens count as tokens that cost nothing), and the ratios against the pool dtype, float32 and bfloat16
+    (``raw_bytes_per_token``: K and V of one token over all layers in the pool dtype)."""
+    out: dict[str, Any] = {}
+    elems_per_token = raw_bytes_per_token / itemsize
+    for mod in ("text", "visual"):
+        tokens = sum(s[mod]["tokens"] + s[mod]["dropped"] for s in stats) / num_layers
+        nbytes = sum(s[mod]["bytes"] for s in stats)
+        per_token = nbytes / tokens if tokens else None
+        out[mod] = {
+            "tokens": tokens, "bytes": nbytes, "bytes_per_token": per_token,
+            "vs_raw": raw_bytes_per_token / per_token if per_token else None,
+            "vs_float32": elems_per_token * 4 / per_token if per_token else None,
+            "vs_bfloat16": elems_per_token * 2 / per_token if per_token else None,
+        }
+    return out
+
+
+def check(results: dict[str, dict]) -> dict[str, dict[str, bool | None]]:
+    """Which criteria each named policy meets (None: not measured)."""
+    base = results.get("none", {}).get("accuracy")
+    out = {}
+    for name, crit in CRITERIA.items():
+        r = results.get(name)
+        if r is None:
+            continue
+        acc = r.get("accuracy")
+        vis = r["bytes"]["visual"]
+        out[name] = {
+            "agreement": r["agreement"] >= crit["agreement"],
+            "accuracy": None if acc is None or base is None else (base - acc) * 100 <= crit["accuracy_drop"],
+            "visual_vs_float32": vis["vs_float32"] is not None and vis["vs_float32"] >= crit["visual_vs_float32"],
+        }
+        if "visual_vs_bfloat16" in crit:
+            out[name]["visual_vs_bfloat16"] = (vis["vs_bfloat16"] is not None
+                                               and vis["vs_bfloat16"] >= crit["visual_vs_bfloat16"])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ measuring
+class _Capture:
+    """Stands in for a KV sender: keeps what the prefill worker would send (for byte and speed measurements)."""
+
+    def __init__(self) -> None:
+        self.layers, self.meta, self.tamper = [], None, None
+
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, ctx=None) -> None:
+        self.layers.append((layer, k.clone(), v.clone(), ctx))
+
+    def finish(self, meta: dict) -> None:
+        self.meta = meta
+
+    def poll(self):
+        from kv_transfer import KVPoll
+
+        return KVPoll.TRANSFERRING
+
+    def abort(self, reason: str = "aborted") -> None:
+        pass
+
+
+def capture_layers(model_dir: Path, config, prompts: list[dict], policy) -> list[list[tuple]]:
+    """Per prompt, the (layer, k, v, ctx) the prefill worker hands its sender under ``policy``."""
+    from engine import SamplingParams
+    from prefill_node.worker import PrefillWorker
+
+    pw = PrefillWorker(model_dir, config, compression=policy)
+    caps = []
+    for i, p in enumerate(prompts):
+        cap = _Capture()
+        pw.submit(f"cap-{i}", p, SamplingParams(temperature=0, max_tokens=1), cap)
+        caps.append(cap)
+    while pw.has_work():
+        pw.step()
+    return [c.layers for c in caps]
+
+
+def codec_measure(captured: list[list[tuple]], policy, layout) -> dict:
+    """Encode + decode every captured layer: the codec's byte stats and encode / decode GB/s (best of 3)."""
+    from kv_transfer.codec import decode_layer, encode_layer
+    from kv_transfer.compression import codec_for
+
+    codec = codec_for(policy)
+    stats, raw = [], 0
+    best_enc = best_dec = math.inf
+    for rep in range(3):
+        enc_s = dec_s = 0.0
+        for pi, layers in enumerate(captured):
+            for layer, k, v, ctx in layers:
+                t0 = time.perf_counter()
+                header, payload = encode_layer("bench", layer, k, v, codec, ctx)
+                t1 = time.perf_counter()
+                decode_layer(header, payload, layout)
+                t2 = time.perf_counter()
+                enc_s += t1 - t0
+                dec_s += t2 - t1
+                if rep == 0:
+                    n = ctx.num_tokens if ctx is not None else k.shape[0] * k.shape[1]
+                    raw += 2 * n * k.shape[2] * k.shape[3] * k.element_size()
+                    stats.append({**_stats(header, k, ctx), "_prompt": pi, "_layer": layer})
+        best_enc, best_dec = min(best_enc, enc_s), min(best_dec, dec_s)
+    return {"stats": stats, "raw_bytes": raw, "encode_gbps": raw / best_enc / 1e9, "decode_gbps": raw / best_dec / 1e9,
+            "encode_s": best_enc, "decode_s": best_dec,
+            "wire_bytes": sum(s["text"]["bytes"] + s["visual"]["bytes"] for s in stats)}
+
+
+def _stats(header: dict, k: torch.Tensor, ctx) -> dict:
+    """Per-modality tokens / dropped / bytes of one encoded layer (identity: every valid token at raw size)."""
+    st = header["codec_meta"].get("stats")
+    if st is not None:
+        return {m: {"tokens": st[m]["tokens"], "dropped": st[m]["dropped"], "bytes": st[m]["bytes"]}
+                for m in ("text", "visual")}
+    per_token = 2 * k.shape[2] * k.shape[3] * k.element_size()
+    n = ctx.num_tokens if ctx is not None else k.shape[0] * k.shape[1]
+    vis = int(ctx.visual.sum()) if ctx is not None else 0
+    return {"text": {"tokens": n - vis, "dropped": 0, "bytes": (n - vis) * per_token},
+            "visual": {"tokens": vis, "dropped": 0, "bytes": vis * per_token}}
+
+
+def quality_runs(model_dir: Path, config, policy, prompts: list[dict], tokens: int, examples) -> dict:
+    """Greedy tokens + logits on ``prompts`` and answers on ``examples`` through an in-process pair."""
+    from cluster.bench.quality_bench import prompts_for, records, summarize
+    from cluster.local_pair import LocalPair
+    from engine import SamplingParams
+
+    pair = LocalPair(model_dir, config, compression=policy)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, return_logits=True)
+        outs, failed = pair.generate(prompts, sp)
+        if failed:
+            raise RuntimeError(f"transfers failed: {failed}")
+        toks = [o.outputs[0].token_ids for o in outs]
+        logits = [o.outputs[0].logits or [] for o in outs]
+        acc = None
+        if examples:
+            tok = pair.prefill.engine.tokenizer
+            outs, failed = pair.generate(prompts_for(tok, examples), SamplingParams(temperature=0, max_tokens=48))
+            texts = [tok.decode(o.outputs[0].token_ids) if o is not None else "" for o in outs]
+            acc = summarize(records(examples, texts))
+        pair.check_no_leaks()
+    finally:
+        pair.close()
+    return {"tokens": toks, "logits": logits, "accuracy": acc}
+
+
+def e2e_ttft(model_dir: Path, dtype: str, policy_spec: str, transport: str, prompts: list[dict]) -> dict:
+    """Median TTFT and transfer figures of ``prompts`` sent one at a time through a 1P+1D Ray cluster."""
+    from cluster.disagg import DisaggCluster
+    from cluster.spec import ClusterSpec
+    from engine import SamplingParams
+
+    spec = ClusterSpec(model_dir=str(model_dir), transport=transport, dtype=dtype, kv_compression=policy_spec)
+    cluster = DisaggCluster(spec)
+    try:
+        cluster.generate_batch([prompts[0]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+        runs = [cluster.generate_batch([p], SamplingParams(temperature=0, max_tokens=2))[0] for p in prompts[1:]]
+    finally:
+        cluster.shutdown()
+    ttfts = sorted(c.ttft_s for c in runs)
+    xfer = [c.kv_transfer or {} for c in runs]
+    secs = sum(x.get("seconds", 0.0) for x in xfer)
+    return {"ttft_ms": 1000 * ttfts[len(ttfts) // 2], "wire_bytes": sum(x.get("wire_bytes", x.get("bytes", 0))
+                                                                       for x in xfer) / len(xfer),
+            "transfer_gbps": (sum(x.get("wire_bytes", x.get("bytes", 0)) for x in xfer) / secs / 1e9) if secs else None}
+
+
+# ------------------------------------------------------------------------------------------------------------ run
+def _policies(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    from kv_transfer.compression import resolve_policy
+
+    out = [(name, resolve_policy(name)) for name in args.policies.split(",") if name]
+    out += [(f"custom-{i}", resolve_policy(spec)) for i, spec in enumerate(args.policy)]
+    if not out or out[0][0] != "none":
+        out.insert(0, ("none", None))  # the reference every ratio and agreement is measured against
+    return out
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.bench.quality_bench import HELD_OUT_SEED, prompts_for
+    from cluster.demo import default_model_dir
+    from cluster.demo.tasks import make_dataset
+    from engine import EngineConfig
+    from engine.config import ModelConfig
+    from engine.tokenizer import Tokenizer
+    from kv_transfer import KVLayout
+    from kv_transfer.compression import InvalidPolicy
+
+    try:
+        policies = _policies(args)
+    except InvalidPolicy as e:
+        print(f"duet: error: {e}", file=sys.stderr)
+        return 2
+    if args.prompts < 1 or args.tokens < 1 or args.n < 0:
+        print("duet: error: --prompts and --tokens must be >= 1, --n >= 0", file=sys.stderr)
+        return 2
+    model_dir = Path(args.model_dir) if args.model_dir else default_model_dir()
+    cfg = ModelConfig.from_pretrained(model_dir)
+    tok = Tokenizer.from_pretrained(model_dir)
+    config = EngineConfig(dtype=args.dtype, max_num_seqs=64, num_kv_blocks=4096, block_size=16)
+    layout = KVLayout(cfg.text.num_layers, config.block_size, cfg.text.num_kv_heads, cfg.text.head_dim, args.dtype)
+    itemsize = torch.empty((), dtype=layout.torch_dtype).element_size()
+    raw_per_token = 2 * cfg.text.num_layers * cfg.text.num_kv_heads * cfg.text.head_dim * itemsize
+    agree_prompts = prompts_for(tok, make_dataset(AGREEMENT_SEED, args.prompts))
+    examples = make_dataset(HELD_OUT_SEED, args.n) if args.n else []
+    results: dict[str, dict] = {}
+    ref = None
+    for name, policy in policies:
+        _log(f"[kv-codec] {name}: bytes and codec speed")
+        captured = capture_layers(model_dir, config, agree_prompts, policy)
+        m = codec_measure(captured, policy, layout)
+        _log(f"[kv-codec] {name}: agreement, KL, accuracy")
+        q = quality_runs(model_dir, config, policy, agree_prompts, args.tokens, examples)
+        if ref is None:
+            ref = q
+        results[name] = {
+            "policy": None if policy is None else policy.to_dict(),
+            "bytes": byte_summary(m["stats"], cfg.text.num_layers, raw_per_token, itemsize),
+            "raw_bytes": m["raw_bytes"], "wire_bytes": m["wire_bytes"],
+            "ratio_vs_raw": m["raw_bytes"] / m["wire_bytes"] if m["wire_bytes"] else None,
+            "encode_gbps": m["encode_gbps"], "decode_gbps": m["decode_gbps"],
+            "codec_s": m["encode_s"] + m["decode_s"],
+            "agreement": agreement(ref["tokens"], q["tokens"]),
+            "kl": mean_kl(ref["tokens"], ref["logits"], q["tokens"], q["logits"]),
+            "accuracy": None if q["accuracy"] is None else q["accuracy"]["overall"]["accuracy"],
+            "accuracy_per_type": None if q["accuracy"] is None else
+            {k: v["accuracy"] for k, v in q["accuracy"]["per_type"].items()},
+        }
+    e2e_gloo_gbps = args.gloo_gbps
+    if not args.skip_e2e:
+        import ray
+
+        started = not ray.is_initialized()
+        if started:
+            ray.init(num_cpus=max(os.cpu_count() or 2, 2), include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        try:
+            image_prompt = "<image>" * args.e2e_images + "How many shapes are there?"
+            ex = make_dataset(AGREEMENT_SEED + 1, args.e2e_requests + 1, qtypes=("count",))
+            e2e_prompts = [{"prompt": tok.apply_chat_template([{"role": "user", "content": image_prompt}]),
+                            "multi_modal_data": {"image": [e.images()[0]] * args.e2e_images}} for e in ex]
+            for name, policy in policies:
+                spec = "none" if policy is None else __import__("json").dumps(policy.to_dict())
+                for transport in args.transports.split(","):
+                    _log(f"[kv-codec] {name}: end-to-end over {transport}")
+                    results[name].setdefault("e2e", {})[transport] = e2e_ttft(model_dir, args.dtype, spec, transport,
+                                                                             e2e_prompts)
+        finally:
+            if started:
+                ray.shutdown()
+        g = results["none"].get("e2e", {}).get("gloo", {})
+        e2e_gloo_gbps = e2e_gloo_gbps or g.get("transfer_gbps")
+    for r in results.values():
+        saved = r["raw_bytes"] - r["wire_bytes"]
+        r["saved_send_s"] = saved / (e2e_gloo_gbps * 1e9) if e2e_gloo_gbps else None
+        r["codec_pays"] = None if r["saved_send_s"] is None or saved <= 0 else r["codec_s"] < r["saved_send_s"]
+    crit = check(results)
+    print(_table(results, args))
+    for name, c in crit.items():
+        print(f"{name}: " + ", ".join(f"{k} {'ok' if v else ('n/a' if v is None else 'MISSED')}" for k, v in c.items()))
+    if e2e_gloo_gbps:
+        print(f"gloo rate for the codec-vs-wire check: {fmt(e2e_gloo_gbps, 3)} GB/s")
+    write_json(Path(args.json), {"model_dir": str(model_dir), "dtype": args.dtype, "prompts": args.prompts,
+                                 "tokens": args.tokens, "n": args.n, "results": results, "criteria": crit,
+                                 "gloo_gbps": e2e_gloo_gbps,
+                                 "timestamp": dt.datetime.now(dt.timezone.utc).isoformat()})
+    return 0
+
+
+def _table(results: dict[str, dict], args: argparse.Namespace) -> str:
+    header = ["policy", "text B/tok", "visual B/tok", "visual x f32", "visual x bf16", "all x raw", "enc GB/s",
+              "dec GB/s", "codec<wire", "agree %", "KL", "acc %"]
+    transports = [t for t in args.transports.split(",") if not args.skip_e2e]
+    header += [f"ttft {t} ms" for t in transports]
+    rows = []
+    for name, r in results.items():
+        b = r["bytes"]
+        row = [name, fmt(b["text"]["bytes_per_token"], 0), fmt(b["visual"]["bytes_per_token"], 0),
+               fmt(b["visual"]["vs_float32"], 2), fmt(b["visual"]["vs_bfloat16"], 2), fmt(r["ratio_vs_raw"], 2),
+               fmt(r["encode_gbps"], 2), fmt(r["decode_gbps"], 2),
+               "-" if r["codec_pays"] is None else ("yes" if r["codec_pays"] else "no"),
+               fmt(100 * r["agreement"], 1), f"{r['kl']:.2e}",
+               "-" if r["accuracy"] is None else fmt(100 * r["accuracy"], 1)]
+        row += [fmt(r.get("e2e", {}).get(t, {}).get("ttft_ms"), 1) for t in transports]
+        rows.append(row)
+    return format_table(header, rows)

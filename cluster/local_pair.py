@@ -1,0 +1,67 @@
+"""A prefill and a decode worker in one process, linked by the in-process transport (no Ray).
+
+The full disaggregated data path -- prefill, per-layer export, codec, frames, checksums, receive, commit, decode --
+without actors: for tests and for benchmarks that need many runs of the wire (``duet bench kv-codec``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+from decode_node.worker import DecodeWorker
+from engine import EngineConfig, RequestOutput, SamplingParams
+from kv_transfer.inproc.manager import Manager as InprocManager
+from prefill_node.worker import PrefillWorker
+
+
+class PairTimeout(TimeoutError):
+    """The pair did not finish its requests before the deadline."""
+
+
+class LocalPair:
+    def __init__(self, model_dir: str | Path, config: EngineConfig, *, compression: Any = None,
+                 stream_layers: bool = True) -> None:
+        self.prefill_manager, self.decode_manager = InprocManager(), InprocManager()
+        self.prefill = PrefillWorker(model_dir, config, stream_layers=stream_layers, compression=compression)
+        self.decode = DecodeWorker(model_dir, config, self.decode_manager, compression=compression)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: list[Any], params: SamplingParams | list[SamplingParams], *,
+                 timeout_s: float = 600.0) -> tuple[list[RequestOutput | None], dict[str, str]]:
+        """Run ``prompts`` to completion; returns the final outputs (None for a failed request, in order) and the
+        failures (request id -> reason). Requests are admitted together, so the decode side batches them."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        rids = [f"pair-{next(self._ids)}" for _ in prompts]
+        for rid, p, sp in zip(rids, prompts, plist, strict=True):
+            lease = self.decode.allocate(rid, p, sp)
+            self.prefill.submit(rid, p, sp, self.prefill_manager.sender(lease, codec=self.prefill.codec))
+        final: dict[str, RequestOutput] = {}
+        failed: dict[str, str] = {}
+        deadline = time.monotonic() + timeout_s
+        while self.prefill.has_work() or self.decode.has_work():
+            if time.monotonic() > deadline:
+                for rid in rids:
+                    self.prefill.abort(rid, "timeout")
+                    self.decode.abort(rid, "timeout")
+                raise PairTimeout(f"{len(prompts)} requests did not finish in {timeout_s} s")
+            self.prefill.step()
+            report = self.decode.step()
+            failed.update(report.failed)
+            for out in report.outputs:
+                if out.finished:
+                    final[out.request_id] = out
+            if not self.prefill.has_work() and self.decode.receivers:
+                next(iter(self.decode.receivers.values())).wait(0.05)
+        return [final.get(rid) for rid in rids], failed
+
+    def close(self) -> None:
+        self.prefill_manager.close()
+        self.decode_manager.close()
+
+    def check_no_leaks(self) -> None:
+        for w in (self.prefill, self.decode):
+            w.engine.block_manager.check_no_leaks()
+            assert not w.engine.requests, f"requests left: {list(w.engine.requests)}"

@@ -1,0 +1,565 @@
+"""Modality-aware KV compression on the wire: policies, the per-request context, and the ``modal`` codec.
+
+A layer's valid tokens (``CodecContext.num_tokens``; the padding of the last block never travels) split into a
+TEXT and a VISUAL section by ``CodecContext.visual``. Per section, K and V are encoded separately:
+
+1. visual tokens only: FastV-style dropping keeps the ``ceil(keep_visual_tokens * n)`` best-scored (at least 1);
+2. ThinK-style channel pruning keeps the ``ceil(keep * head_dim)`` best-scored channels of every KV head;
+3. the section's :class:`Method`: ``raw`` (pool dtype bytes), ``fp8`` (e4m3 codes, one float32 scale per KV head,
+   ``amax / 448``) or ``int`` (KIVI-style asymmetric ``min + code * scale``, 8 or 4 bits, int4 packed two per byte
+   low nibble first). Keys are quantized per channel over groups of ``group`` consecutive tokens; values per token
+   over groups of ``group`` consecutive entries of the token's flattened ``[kv_heads * kept_channels]`` vector.
+   The stored scale is rounded up and the stored min down, and codes come from the stored values, so
+   ``|x - x_hat| <= stored_scale / 2`` (plus float rounding). Scales/mins are float16 when all fit, else float32.
+
+Payload, per section (text, visual) and tensor (K, V): ``int``: ``scales | mins | codes`` (keys: scales
+``[token_groups, kv_heads * kept]``; values: ``[channel_groups, tokens]``); ``fp8``: ``scales[kv_heads] | codes``;
+``raw``: ``codes``. Codes are ``[tokens, kv_heads, kept_channels]`` row-major. Bitmasks are LSB first (bit ``i``
+of byte ``j`` is item ``8j + i``). ``codec_meta`` holds everything a decoder needs; it never guesses, and every
+malformed field raises :class:`ProtocolError`::
+
+    {"v": 1, "policy": policy.to_dict(), "num_tokens": T, "checksum_chunk": N,
+     "sections": {"text" | "visual": {"tokens": bitmask[T] of the positions sent,
+                                      "k" | "v": {"kind", "bits", "group", "scale_dtype",
+                                                  "channels": [bitmask[head_dim]] * kv_heads | None,
+                                                  "offset", "length"}}},
+     "stats": {"text" | "visual": {"tokens": sent, "dropped": n, "bytes": codes + scales + masks}}}
+
+The receiver gets full-size K and V with zeros for pruned channels, dropped tokens and padding, plus the dropped
+positions (``sink(layer, k, v, dropped=...)``, see :data:`kv_transfer.base.Sink`).
+
+Worked example: the ``default`` policy (text raw, visual int8 group 64) on 36 visual tokens, 2 KV heads, head_dim
+32: K = 2 * 1 group * 64 channels * 2 B (float16 scales + mins) + 36 * 64 codes = 2560 B; V = 2 * 36 tokens * 1
+group * 2 B + 2304 = 2448 B; plus a 5-byte token mask: 5013 B for what float32 sends in 18432 B (3.68x).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from kv_transfer.base import KVLayout, ProtocolError
+from kv_transfer.codec import Codec, get_codec, register_codec, tensor_bytes
+
+POLICY_VERSION = 1
+META_VERSION = 1
+CHECKSUM_CHUNK = 64 << 10  # bytes per crc32 of a modal payload
+METHODS = ("raw", "fp8", "int")
+INT_BITS = (4, 8)
+SCALE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+SECTIONS = ("text", "visual")
+FP8_MAX = 448.0
+
+DEFAULT_VISUAL_BITS, DEFAULT_VISUAL_GROUP = 8, 64
+AGGRESSIVE_VISUAL_BITS, AGGRESSIVE_VISUAL_GROUP, AGGRESSIVE_VISUAL_KEEP_K = 4, 32, 0.75
+
+
+class InvalidPolicy(ValueError):
+    """A compression policy spec with a bad field; the one-line message names the field and the allowed values."""
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_ratio(value: Any, field: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise InvalidPolicy(f"{field} must be a number in (0, 1], got {value!r}")
+
+
+def _check_method(kind: Any, bits: Any, group: Any, keep_k: Any, keep_v: Any, where: str) -> None:
+    if kind not in METHODS:
+        raise InvalidPolicy(f"{where}.kind must be one of {list(METHODS)}, got {kind!r}")
+    if not (_is_int(bits) and bits in INT_BITS) if kind == "int" else bits is not None:
+        raise InvalidPolicy(f"{where}.bits must be one of {list(INT_BITS)} for kind 'int' and None otherwise, "
+                            f"got {bits!r}")
+    if not (_is_int(group) and group >= 1) if kind == "int" else group is not None:
+        raise InvalidPolicy(f"{where}.group must be an int >= 1 for kind 'int' and None otherwise, got {group!r}")
+    _check_ratio(keep_k, f"{where}.keep_k")
+    _check_ratio(keep_v, f"{where}.keep_v")
+
+
+def _check_keys(d: Any, allowed: tuple[str, ...], where: str) -> None:
+    if not isinstance(d, dict):
+        raise InvalidPolicy(f"{where} must be a JSON object / dict, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(allowed), key=str)
+    if unknown:
+        raise InvalidPolicy(f"{where} has unknown field {unknown[0]!r} (allowed: {list(allowed)})")
+
+
+@dataclass(frozen=True)
+class Method:
+    """How one modality's K and V travel. ``bits`` (4 | 8) and ``group`` (>= 1) are for ``kind="int"`` only;
+    ``keep_k``/``keep_v`` in (0, 1] are the fractions of channels kept per KV head (1.0: no pruning)."""
+
+    kind: str = "raw"
+    bits: int | None = None
+    group: int | None = None
+    keep_k: float = 1.0
+    keep_v: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_method(self.kind, self.bits, self.group, self.keep_k, self.keep_v, "Method")
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> Method:
+        """Raises :class:`InvalidPolicy` naming ``where.<field>``."""
+        _check_keys(d, ("kind", "bits", "group", "keep_k", "keep_v"), where)
+        fields = {**asdict(cls()), **d}
+        _check_method(**fields, where=where)
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class CompressionPolicy:
+    """Per-modality methods plus FastV-style visual-token dropping (``keep_visual_tokens`` in (0, 1]).
+
+    Crosses processes as ``to_dict()`` (msgpack-able, with ``"version"``).
+    """
+
+    name: str
+    text: Method
+    visual: Method
+    keep_visual_tokens: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidPolicy(f"policy.name must be a non-empty str, got {self.name!r}")
+        for field in ("text", "visual"):
+            if not isinstance(getattr(self, field), Method):
+                raise InvalidPolicy(f"policy.{field} must be a Method, got {type(getattr(self, field)).__name__}")
+        _check_ratio(self.keep_visual_tokens, "policy.keep_visual_tokens")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": POLICY_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> CompressionPolicy:
+        """Inverse of :meth:`to_dict` (``text``/``visual`` default to raw); raises :class:`InvalidPolicy`."""
+        _check_keys(d, ("version", "name", "text", "visual", "keep_visual_tokens"), "policy")
+        if d.get("version") != POLICY_VERSION:
+            raise InvalidPolicy(f"policy.version must be {POLICY_VERSION}, got {d.get('version')!r}")
+        return cls(name=d.get("name"), text=Method.from_dict(d.get("text", {}), "policy.text"),
+                   visual=Method.from_dict(d.get("visual", {}), "policy.visual"),
+                   keep_visual_tokens=d.get("keep_visual_tokens", 1.0))
+
+
+DEFAULT = CompressionPolicy("default", text=Method("raw"),
+                            visual=Method("int", bits=DEFAULT_VISUAL_BITS, group=DEFAULT_VISUAL_GROUP))
+AGGRESSIVE = CompressionPolicy("aggressive", text=Method("fp8"),
+                               visual=Method("int", bits=AGGRESSIVE_VISUAL_BITS, group=AGGRESSIVE_VISUAL_GROUP,
+                                             keep_k=AGGRESSIVE_VISUAL_KEEP_K))
+POLICIES: dict[str, CompressionPolicy | None] = {"none": None, "default": DEFAULT, "aggressive": AGGRESSIVE}
+
+
+def resolve_policy(spec: None | str | dict[str, Any] | CompressionPolicy) -> CompressionPolicy | None:
+    """A policy from a name (``none`` / ``default`` / ``aggressive``), a JSON object string, a dict (``version``
+    and ``name`` optional) or a policy; None for no compression. Raises :class:`InvalidPolicy`."""
+    if spec is None or isinstance(spec, CompressionPolicy):
+        return spec
+    if isinstance(spec, str):
+        if not spec.lstrip().startswith("{"):
+            if spec not in POLICIES:
+                raise InvalidPolicy(f"policy must be one of {list(POLICIES)} or a JSON object, got {spec!r}")
+            return POLICIES[spec]
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise InvalidPolicy(f"policy JSON does not parse: {e}") from None
+    if not isinstance(spec, dict):
+        raise InvalidPolicy(f"policy must be None, a name, a JSON object, a dict or a CompressionPolicy, "
+                            f"got {type(spec).__name__}")
+    return CompressionPolicy.from_dict({"version": POLICY_VERSION, "name": "custom", **spec})
+
+
+def codec_for(policy: CompressionPolicy | None) -> Codec:
+    """The codec a sender should use for ``policy``: the identity codec for None, else a :class:`ModalCodec`."""
+    return get_codec("identity") if policy is None else ModalCodec(policy)
+
+
+def needs_scores(policy: CompressionPolicy) -> bool:
+    """Whether ``policy`` prunes channels or drops tokens, i.e. whether :class:`CodecContext` scores matter."""
+    methods = (policy.text, policy.visual)
+    return policy.keep_visual_tokens < 1 or any(m.keep_k < 1 or m.keep_v < 1 for m in methods)
+
+
+@dataclass(eq=False)
+class CodecContext:
+    """What the codec needs to know about one request's layer. Positions are ``block * block_size + offset``.
+
+    * ``num_tokens``: valid tokens; positions from here to the end of the last block are padding (not sent).
+    * ``visual``: bool ``[num_tokens]``, True for image tokens.
+    * ``k_channel_score`` / ``v_channel_score``: float ``[num_kv_heads, head_dim]``, higher = more important
+      (default: the per-channel L2 norm of K resp. V over the section's tokens).
+    * ``token_score``: float ``[num_tokens]``, higher = keep (default: the L2 norm of K over heads and channels).
+    """
+
+    num_tokens: int
+    visual: torch.Tensor
+    k_channel_score: torch.Tensor | None = None
+    v_channel_score: torch.Tensor | None = None
+    token_score: torch.Tensor | None = None
+
+    def check(self, shape: tuple[int, ...]) -> None:
+        """Raise ``ValueError`` unless this context fits K/V of ``shape`` = ``[num_blocks, block_size, kvh, d]``."""
+        nb, bs, kvh, d = shape
+        if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) \
+                or not 0 <= self.num_tokens <= nb * bs:
+            raise ValueError(f"CodecContext.num_tokens must be an int in [0, {nb * bs}], got {self.num_tokens!r}")
+        if not isinstance(self.visual, torch.Tensor) or self.visual.dtype != torch.bool \
+                or tuple(self.visual.shape) != (self.num_tokens,):
+            raise ValueError(f"CodecContext.visual must be a bool tensor [{self.num_tokens}]")
+        for name, want in (("k_channel_score", (kvh, d)), ("v_channel_score", (kvh, d)),
+                           ("token_score", (self.num_tokens,))):
+            t = getattr(self, name)
+            if t is not None and (not isinstance(t, torch.Tensor) or not t.is_floating_point()
+                                  or tuple(t.shape) != want):
+                raise ValueError(f"CodecContext.{name} must be None or a float tensor {list(want)}")
+
+    def detached(self) -> CodecContext:
+        """A copy owning its tensors, so the caller may reuse its own at once."""
+        own = {f: getattr(self, f).detach().clone() for f in ("visual", "k_channel_score", "v_channel_score",
+                                                               "token_score") if getattr(self, f) is not None}
+        return replace(self, **own)
+
+
+# -- bit masks and dtype helpers ----------------------------------------------------------------------------------
+def pack_bits(mask: torch.Tensor) -> bytes:
+    """bool ``[n]`` -> ``ceil(n / 8)`` bytes, LSB first."""
+    m = mask.detach().to("cpu", torch.uint8).flatten()
+    padded = torch.zeros(-(-m.numel() // 8) * 8, dtype=torch.uint8)
+    padded[:m.numel()] = m
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    return (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8).numpy().tobytes()
+
+
+def unpack_bits(data: Any, n: int, what: str) -> torch.Tensor:
+    """Inverse of :func:`pack_bits` (CPU bool ``[n]``); :class:`ProtocolError` for a wrong length or stray bits."""
+    if not isinstance(data, (bytes, bytearray)) or len(data) != -(-n // 8):
+        got = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
+        raise ProtocolError(f"codec_meta {what}: bitmask must be {-(-n // 8)} bytes for {n} items, got {got}")
+    if n == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bits = ((raw[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten().bool()
+    if bits[n:].any():
+        raise ProtocolError(f"codec_meta {what}: bitmask has bits set past item {n}")
+    return bits[:n]
+
+
+def _view(seg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 bytes viewed as ``dtype`` (copied first when misaligned)."""
+    return (seg.clone() if seg.storage_offset() % dtype.itemsize else seg).view(dtype)
+
+
+def _round_to(x: torch.Tensor, dtype: torch.dtype, *, up: bool) -> torch.Tensor:
+    """float64 ``x`` rounded to ``dtype`` toward +inf (``up``) or -inf."""
+    y = x.to(dtype)
+    off = y.double() < x if up else y.double() > x
+    return torch.where(off, torch.nextafter(y, torch.full_like(y, math.inf if up else -math.inf)), y)
+
+
+def _keep_count(ratio: float, n: int) -> int:
+    return max(1, math.ceil(ratio * n - 1e-9))  # 1e-9: 0.7 * 10 must keep 7, not 8
+
+
+def _codes_nbytes(count: int, bits: int) -> int:
+    return count if bits == 8 else -(-count // 2)
+
+
+# -- per-method kernels: x is [n, kvh, c] (a section's tokens, kept channels) -------------------------------------
+@dataclass(frozen=True)
+class _Encoding:
+    """How one section's K or V is encoded (its codec_meta entry, less channels / offset / length)."""
+
+    kind: str
+    bits: int | None
+    group: int | None
+    scale_dtype: str | None
+    keys: bool  # int: keys are quantized per channel over token groups, values per token over channel groups
+
+    def nbytes(self, n: int, kvh: int, c: int, itemsize: int) -> int:
+        if n == 0:
+            return 0
+        if self.kind == "raw":
+            return n * kvh * c * itemsize
+        if self.kind == "fp8":
+            return 4 * kvh + n * kvh * c
+        rows, cols = (n, kvh * c) if self.keys else (kvh * c, n)
+        groups = -(-rows // self.group)
+        return 2 * groups * cols * SCALE_DTYPES[self.scale_dtype].itemsize + _codes_nbytes(n * kvh * c, self.bits)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, str | None]:
+        """uint8 bytes of ``x`` and the scale dtype used."""
+        if self.kind == "raw":
+            return tensor_bytes(x), None
+        if self.kind == "fp8":
+            return _encode_fp8(x), "float32"
+        return _encode_int(x, self.bits, self.group, self.keys)
+
+    def decode(self, seg: torch.Tensor, n: int, kvh: int, c: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[n, kvh, c]`` from ``seg`` (exactly :meth:`nbytes` long): raw in ``dtype``, others float32."""
+        if self.kind == "raw":
+            return _view(seg, dtype).view(n, kvh, c)
+        if self.kind == "fp8":
+            scale = _view(seg[:4 * kvh], torch.float32)
+            return seg[4 * kvh:].view(torch.float8_e4m3fn).float().view(n, kvh, c) * scale[:, None]
+        return _decode_int(seg, n, kvh, c, self)
+
+
+def _encode_fp8(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    amax = xf.abs().amax(dim=(0, 2))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    codes = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return torch.cat([tensor_bytes(scale), tensor_bytes(codes)])
+
+
+def _quantize_rows(m: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 ``m [R, C]`` in groups of ``group`` consecutive rows per column (last group partial).
+
+    Returns scale and min ``[ceil(R / group), C]`` in their storage dtype (float16 when every value fits, else
+    float32; scale rounded up, min down) and uint8 codes ``[R, C]`` computed from the stored values.
+    """
+    rows, levels = m.shape[0], (1 << bits) - 1
+    groups = -(-rows // group)
+    fill = torch.arange(groups * group, device=m.device).clamp_(max=rows - 1)  # the partial group repeats a row
+    grouped = m.index_select(0, fill).view(groups, group, -1)
+    lo, hi = grouped.amin(1).double(), grouped.amax(1).double()
+    for dtype in (torch.float16, torch.float32):
+        mn = _round_to(lo, dtype, up=False)
+        scale = _round_to((hi - mn.double()) / levels, dtype, up=True)
+        if dtype == torch.float32 or bool(torch.isfinite(mn).all() and torch.isfinite(scale).all()):
+            break
+    s, lo32 = scale.float()[:, None], mn.float()[:, None]
+    q = torch.where(s > 0, (grouped - lo32) / s, torch.zeros_like(grouped)).round_().clamp_(0, levels)
+    return scale, mn, q.view(groups * group, -1)[:rows].to(torch.uint8)
+
+
+def _encode_int(x: torch.Tensor, bits: int, group: int, keys: bool) -> tuple[torch.Tensor, str]:
+    m = x.float().reshape(x.shape[0], -1)
+    scale, mn, q = _quantize_rows(m if keys else m.t(), bits, group)
+    codes = (q if keys else q.t()).contiguous().flatten()
+    if bits == 4:
+        if codes.numel() % 2:
+            codes = torch.cat([codes, codes.new_zeros(1)])
+        pairs = codes.view(-1, 2)
+        codes = pairs[:, 0] | (pairs[:, 1] << 4)
+    name = "float16" if scale.dtype == torch.float16 else "float32"
+    return torch.cat([tensor_bytes(scale), tensor_bytes(mn), codes]), name
+
+
+def _decode_int(seg: torch.Tensor, n: int, kvh: int, c: int, enc: _Encoding) -> torch.Tensor:
+    flat = kvh * c
+    rows, cols = (n, flat) if enc.keys else (flat, n)
+    dtype = SCALE_DTYPES[enc.scale_dtype]
+    half = -(-rows // enc.group) * cols * dtype.itemsize
+    scale = _view(seg[:half], dtype).float().view(-1, cols)
+    mn = _view(seg[half:2 * half], dtype).float().view(-1, cols)
+    codes = seg[2 * half:]
+    if enc.bits == 4:
+        codes = torch.stack([codes & 0xF, codes >> 4], dim=1).flatten()[:n * flat]
+    q = codes.float().view(n, flat)
+    row_group = torch.arange(rows, device=seg.device) // enc.group
+    m = mn[row_group] + (q if enc.keys else q.t()) * scale[row_group]
+    return (m if enc.keys else m.t()).reshape(n, kvh, c)
+
+
+def _kept_channels(x: torch.Tensor, keep: float, score: torch.Tensor | None) -> torch.Tensor | None:
+    """Sorted ``[kvh, c]`` indices of each head's best channels (``score``, else the L2 norm over tokens), or None
+    when every channel is kept."""
+    d = x.shape[2]
+    c = _keep_count(keep, d)
+    if c == d:
+        return None
+    s = score.to(x.device, torch.float32) if score is not None else x.float().norm(dim=0)
+    return s.topk(c, dim=1).indices.sort(dim=1).values
+
+
+# -- the codec ----------------------------------------------------------------------------------------------------
+class ModalCodec:
+    """Codec ``"modal"``: per-modality compression by ``policy`` (see the module docstring).
+
+    Senders build one per policy (``manager.sender(lease, codec=ModalCodec(policy))``); the instance registered
+    under ``"modal"`` (policy ``default``, used for ``Manager(codec="modal")``) decodes any policy from the header.
+    ``encode(k, v, ctx)`` without a context treats every position as a valid text token.
+    """
+
+    name = "modal"
+
+    def __init__(self, policy: CompressionPolicy) -> None:
+        if not isinstance(policy, CompressionPolicy):
+            raise TypeError(f"ModalCodec needs a CompressionPolicy, got {type(policy).__name__}")
+        self.policy = policy
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor,
+               ctx: CodecContext | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        nb, bs, kvh, d = k.shape
+        if ctx is None:
+            ctx = CodecContext(nb * bs, torch.zeros(nb * bs, dtype=torch.bool))
+        ctx.check(tuple(k.shape))
+        ks, vs = k.reshape(-1, kvh, d)[:ctx.num_tokens], v.reshape(-1, kvh, d)[:ctx.num_tokens]
+        visual = ctx.visual.cpu()
+        kept = self._kept_visual(ks, visual, ctx)
+        blobs: list[torch.Tensor] = []
+        sections: dict[str, Any] = {}
+        stats: dict[str, Any] = {}
+        offset = 0
+        for name, method, mask in (("text", self.policy.text, ~visual), ("visual", self.policy.visual, kept)):
+            pos = mask.nonzero().flatten().to(k.device)
+            sec, nbytes = {"tokens": pack_bits(mask)}, 0
+            for which, x, keep, score in (("k", ks, method.keep_k, ctx.k_channel_score),
+                                          ("v", vs, method.keep_v, ctx.v_channel_score)):
+                blob, sec[which] = _encode_entry(x.index_select(0, pos), method, which == "k", keep, score, offset)
+                blobs.append(blob)
+                offset += blob.numel()
+                nbytes += blob.numel() + sum(len(b) for b in sec[which]["channels"] or ())
+            sections[name] = sec
+            dropped = int(visual.sum()) - pos.numel() if name == "visual" else 0
+            stats[name] = {"tokens": pos.numel(), "dropped": dropped, "bytes": nbytes + len(sec["tokens"])}
+        payload = torch.cat(blobs)
+        meta = {"v": META_VERSION, "policy": self.policy.to_dict(), "num_tokens": ctx.num_tokens,
+                "sections": sections, "stats": stats, "checksum_chunk": CHECKSUM_CHUNK}
+        return payload, meta
+
+    def _kept_visual(self, ks: torch.Tensor, visual: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        """CPU bool mask of the visual tokens that travel (FastV: the best ``keep_visual_tokens`` share, >= 1)."""
+        n_visual = int(visual.sum())
+        if self.policy.keep_visual_tokens >= 1 or n_visual == 0:
+            return visual.clone()
+        pos = visual.nonzero().flatten()
+        dev_pos = pos.to(ks.device)
+        if ctx.token_score is not None:
+            score = ctx.token_score.to(ks.device)[dev_pos].float()
+        else:
+            score = ks.index_select(0, dev_pos).float().flatten(1).norm(dim=1)
+        best = score.topk(_keep_count(self.policy.keep_visual_tokens, n_visual)).indices.cpu()
+        kept = torch.zeros_like(visual)
+        kept[pos[best]] = True
+        return kept
+
+    def decode(self, payload: torch.Tensor, header: dict[str, Any],
+               layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Full ``[num_blocks, block_size, kvh, d]`` K and V in the layout's dtype (zeros for pruned channels,
+        dropped tokens and padding) and the sorted dropped positions (or None). Raises only :class:`ProtocolError`."""
+        try:
+            return _decode(payload, header, layout)
+        except ProtocolError:
+            raise
+        except Exception as e:  # a header that passed validation must still never crash the transport thread
+            raise ProtocolError(f"modal codec could not decode a layer frame: {e!r}") from e
+
+
+_EMPTY_SCALE_DTYPE = {"raw": None, "fp8": "float32", "int": "float16"}
+
+
+def _encode_entry(x: torch.Tensor, method: Method, keys: bool, keep: float, score: torch.Tensor | None,
+                  offset: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One section's K or V: its bytes and its codec_meta entry."""
+    n, kvh, d = x.shape
+    chans = _kept_channels(x, keep, score) if n else None
+    channels = None
+    if chans is not None:
+        x = x.gather(2, chans[None].expand(n, -1, -1))
+        mask = torch.zeros(kvh, d, dtype=torch.bool, device=chans.device).scatter_(1, chans, True)
+        channels = [pack_bits(row) for row in mask.cpu()]
+    enc = _Encoding(method.kind, method.bits, method.group, None, keys)
+    if n:
+        blob, scale_dtype = enc.encode(x)
+    else:  # nothing to scale; the header still names a valid dtype for the kind
+        blob, scale_dtype = x.new_zeros(0, dtype=torch.uint8), _EMPTY_SCALE_DTYPE[method.kind]
+    assert blob.numel() == replace(enc, scale_dtype=scale_dtype).nbytes(n, kvh, x.shape[2], x.element_size())
+    return blob, {"kind": method.kind, "bits": method.bits, "group": method.group, "scale_dtype": scale_dtype,
+                  "channels": channels, "offset": offset, "length": blob.numel()}
+
+
+def _decode(payload: torch.Tensor, header: dict[str, Any],
+            layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    meta = header["codec_meta"]
+    if not isinstance(meta, dict) or meta.get("v") != META_VERSION:
+        got = meta.get("v") if isinstance(meta, dict) else type(meta).__name__
+        raise ProtocolError(f"modal codec_meta version {got!r} is not supported (expected {META_VERSION})")
+    try:
+        CompressionPolicy.from_dict(meta.get("policy"))
+    except InvalidPolicy as e:
+        raise ProtocolError(f"codec_meta policy: {e}") from None
+    num_blocks, kvh, d = header["num_blocks"], layout.num_kv_heads, layout.head_dim
+    capacity = num_blocks * layout.block_size
+    n_tok = meta.get("num_tokens")
+    if not _is_int(n_tok) or not 0 <= n_tok <= capacity:
+        raise ProtocolError(f"codec_meta num_tokens {n_tok!r} is outside [0, {capacity}] (the lease's capacity)")
+    sections = meta.get("sections")
+    if not isinstance(sections, dict) or sorted(sections) != sorted(SECTIONS):
+        raise ProtocolError(f"codec_meta sections must be a map with keys {list(SECTIONS)}")
+    out = {w: torch.zeros(capacity, kvh, d, dtype=layout.torch_dtype, device=payload.device) for w in ("k", "v")}
+    covered, used = torch.zeros(n_tok, dtype=torch.bool), 0
+    for name in SECTIONS:
+        sec = sections[name]
+        if not isinstance(sec, dict):
+            raise ProtocolError(f"codec_meta {name} must be a map")
+        mask = unpack_bits(sec.get("tokens"), n_tok, f"{name}.tokens")
+        if (mask & covered).any():
+            raise ProtocolError(f"codec_meta {name}.tokens overlaps another section")
+        covered |= mask
+        pos = mask.nonzero().flatten().to(payload.device)
+        for which in ("k", "v"):
+            used += _decode_entry(sec.get(which), f"{name}.{which}", payload, pos, out[which], which == "k")
+    if used != payload.numel():
+        raise ProtocolError(f"codec_meta entries cover {used} bytes; the payload has {payload.numel()}")
+    dropped = (~covered).nonzero().flatten().to(payload.device)
+    shape = layout.block_shape(num_blocks)
+    return out["k"].view(shape), out["v"].view(shape), dropped if dropped.numel() else None
+
+
+def _decode_entry(entry: Any, where: str, payload: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
+                  keys: bool) -> int:
+    """Validate one entry, decode it into ``out [capacity, kvh, d]`` at rows ``pos``; returns its byte length."""
+    if not isinstance(entry, dict):
+        raise ProtocolError(f"codec_meta {where} must be a map")
+    kind, scale_dtype = entry.get("kind"), entry.get("scale_dtype")
+    try:
+        _check_method(kind, entry.get("bits"), entry.get("group"), 1.0, 1.0, where)
+    except InvalidPolicy as e:
+        raise ProtocolError(f"codec_meta {e}") from None
+    allowed = {"raw": [None], "fp8": ["float32"], "int": list(SCALE_DTYPES)}[kind]
+    if scale_dtype not in allowed:
+        raise ProtocolError(f"codec_meta {where}.scale_dtype must be one of {allowed} for kind {kind!r}, "
+                            f"got {scale_dtype!r}")
+    _, kvh, d = out.shape
+    chans = _parse_channels(entry.get("channels"), kvh, d, where)
+    c = d if chans is None else chans.shape[1]
+    enc = _Encoding(kind, entry.get("bits"), entry.get("group"), scale_dtype, keys)
+    n, length = pos.numel(), enc.nbytes(pos.numel(), kvh, c, out.element_size())
+    off, ln = entry.get("offset"), entry.get("length")
+    if not (_is_int(off) and _is_int(ln)) or off < 0 or ln != length or off + ln > payload.numel():
+        raise ProtocolError(f"codec_meta {where}: offset {off!r} + length {ln!r} (expected length {length}) does not "
+                            f"fit the {payload.numel()}-byte payload")
+    if n:
+        x = enc.decode(payload[off:off + ln], n, kvh, c, out.dtype).to(out.dtype)
+        if chans is None:
+            out[pos] = x
+        else:
+            heads = torch.arange(kvh, device=out.device)[:, None]
+            out[pos[:, None, None], heads, chans.to(out.device)] = x
+    return ln
+
+
+def _parse_channels(data: Any, kvh: int, d: int, where: str) -> torch.Tensor | None:
+    """Sorted ``[kvh, c]`` kept-channel indices from per-head bitmasks (None: all channels)."""
+    if data is None:
+        return None
+    if not isinstance(data, (list, tuple)) or len(data) != kvh:
+        raise ProtocolError(f"codec_meta {where}.channels must be None or {kvh} per-head bitmasks")
+    mask = torch.stack([unpack_bits(b, d, f"{where}.channels[{h}]") for h, b in enumerate(data)])
+    counts = mask.sum(1)
+    if int(counts.min()) < 1 or bool((counts != counts[0]).any()):
+        raise ProtocolError(f"codec_meta {where}.channels must keep the same number (>= 1) of channels in every "
+                            f"head, got {counts.tolist()}")
+    return mask.nonzero()[:, 1].view(kvh, -1)
+
+
+register_codec(ModalCodec(DEFAULT))
