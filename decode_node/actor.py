@@ -3,6 +3,11 @@ the front-end long-polls :meth:`DecodeActor.poll`, which returns every token pro
 requests, in one message (never one call per token per request).
 
 Methods take and return msgpack ``bytes`` (:mod:`cluster.messages`).
+
+Expert-parallel workers (``expert_parallel`` set) start their loop only once the group is formed: the builder calls
+:meth:`DecodeActor.ep_host` on rank 0, then :meth:`DecodeActor.ep_join` on every rank at once. Their loop runs one
+group tick per iteration (:meth:`decode_node.worker.DecodeWorker.group_step`); a shutdown of any rank stops the whole
+group at the same tick.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ import time
 
 from cluster import messages
 from cluster.worker_actor import WorkerActorBase
-from decode_node.worker import DecodeWorker
+from decode_node.expert_group import ExpertGroup, host_store
+from decode_node.expert_parallel import ExpertParallelConfig
+from decode_node.expert_slots import SlotTable
+from decode_node.worker import DecodeWorker, StepReport
 from engine import EngineConfig
 from engine.errors import DuetError
 from kv_transfer import get_manager_class
@@ -26,15 +34,59 @@ class DecodeActor(WorkerActorBase):
 
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *,
                  num_threads: int = 1, lease_base_s: float = 5.0, lease_min_rate_bps: float = 50e6,
-                 compression: dict | None = None) -> None:
+                 compression: dict | None = None, expert_parallel: dict | None = None) -> None:
         self._init_common(worker_id, num_threads)
         self.manager = get_manager_class(transport)(worker_id=worker_id)
+        ep = None if expert_parallel is None else ExpertParallelConfig(**expert_parallel)
         self.worker = DecodeWorker(model_dir, EngineConfig(**engine_config), self.manager, lease_base_s=lease_base_s,
-                                   lease_min_rate_bps=lease_min_rate_bps, compression=compression)
+                                   lease_min_rate_bps=lease_min_rate_bps, compression=compression,
+                                   expert_parallel=ep)
         self.cond = threading.Condition()
         self.pending: list[dict] = []  # token deltas and failures not yet polled
         self.sent: dict[str, int] = {}  # tokens already reported per request
+        self.thread: threading.Thread | None = None
+        self._store = None  # rank 0 of an expert-parallel group hosts the rendezvous store
+        if ep is None:
+            self._start()
+
+    # ------------------------------------------------------------------------------------ expert-parallel group
+    def ep_host(self, host: str = "127.0.0.1") -> bytes:
+        """Rank 0: host the group's rendezvous store on a free port of ``host`` ("auto": this node's IP); returns
+        ``{"host", "port"}``."""
+        if host == "auto":
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        self._store = host_store(host, self.worker.ep.config.timeout_s)
+        return messages.pack(host=host, port=self._store.port)
+
+    def ep_join(self, host: str, port: int, group_key: str) -> bytes:
+        """Join the group (returns once every rank joined, or an error reply at the deadline), then start the loop."""
+        ep = self.worker.ep
+        bind = host
+        if not host.startswith("127."):  # another node's store: this rank's sockets bind its own address
+            import ray
+
+            bind = ray.util.get_node_ip_address()
+        try:
+            group = ExpertGroup(host=host, port=port, rank=ep.rank, world=ep.config.world, group_key=group_key,
+                                device=self.worker.engine.device, timeout_s=ep.config.timeout_s, bind=bind)
+        except DuetError as e:
+            return messages.error_reply(e)
+        ep.join(group)
         self._start()
+        return messages.pack(rank=ep.rank)
+
+    def apply_placement(self, msg: bytes) -> bytes:
+        """Stage a new placement (``{"placement": SlotTable wire map}``); the group switches once all ranks staged
+        it. Returns at once with ``{"staged_version"}`` (the version loaded so far)."""
+        try:
+            table = SlotTable.from_wire(messages.unpack(msg)["placement"])
+            with self.lock:
+                self.worker.ep.apply_placement(table)
+        except (DuetError, ValueError, KeyError) as e:
+            return messages.error_reply(e)
+        return messages.pack(staged_version=self.worker.ep.shard.staged_version)
 
     def allocate(self, msg: bytes) -> bytes:
         try:
@@ -68,29 +120,54 @@ class DecodeActor(WorkerActorBase):
     def stats(self) -> bytes:
         with self.lock:
             e = self.worker.engine
+            experts = None if self.worker.ep is None else self.worker.ep.stats()
             return messages.pack(worker_id=self.worker_id, free_blocks=self.worker.free_blocks,
-                                 receiving=len(self.worker.receivers), running=len(e.scheduler.running))
+                                 receiving=len(self.worker.receivers), running=len(e.scheduler.running),
+                                 experts=experts)
 
     def shutdown(self) -> None:
         self.stopped = True
         with self.cond:
             self.cond.notify_all()
-        self.thread.join(timeout=5)
+        if self.thread is not None:
+            self.thread.join(timeout=5)
         self.manager.close()
 
     def _loop(self) -> None:
+        if self.worker.ep is not None:
+            return self._group_loop()
         while not self.stopped:
             with self.lock:
                 decoding = self.worker.engine.has_unfinished_requests()
                 events = self._step() if decoding or self.worker.receivers else []
-            if events:
-                with self.cond:
-                    self.pending.extend(events)
-                    self.cond.notify_all()
+            self._publish(events)
             if not decoding:
                 # Only transfers in flight (or nothing): poll them every 2 ms instead of spinning, which would
                 # starve the transport's receive thread of the GIL and slow every transfer ~100x.
                 time.sleep(0.002)
+
+    def _group_loop(self) -> None:
+        """One group tick per iteration until the group agrees to stop (any rank's shutdown)."""
+        while True:
+            with self.lock:
+                report, plan = self.worker.group_step(stop=self.stopped)
+                events = self._events(report)
+            self._publish(events)
+            if plan is not None and plan.stop:
+                break
+            if plan is None and self.stopped:
+                break
+            if plan is None or not plan.any_work:
+                time.sleep(0.002)  # nothing to decode anywhere: poll transfers, do not spin (see _loop)
+        self.stopped = True
+        with self.cond:
+            self.cond.notify_all()
+
+    def _publish(self, events: list[dict]) -> None:
+        if events:
+            with self.cond:
+                self.pending.extend(events)
+                self.cond.notify_all()
 
     def _step(self) -> list[dict]:
         try:
@@ -101,6 +178,9 @@ class DecodeActor(WorkerActorBase):
             for rid in failed:
                 self.worker.abort(rid, "decode step failed")
             return [{"request_id": rid, "failed": f"decode step failed: {e}"} for rid in failed]
+        return self._events(report)
+
+    def _events(self, report: StepReport) -> list[dict]:
         events = [{"request_id": rid, "failed": why} for rid, why in report.failed.items()]
         for rid in report.failed:
             self.sent.pop(rid, None)

@@ -7,7 +7,10 @@ reports SUCCESS (the first token from prefill joins the running batch) -> runnin
 A receiver that FAILS (checksum, missing layer, abort, expired lease, dead peer) releases the blocks and the request
 surfaces as a failure for the router to retry or report; no partially written cache is ever decoded.
 
-Threading: ``poll_transfers``/``step`` run on the worker's loop; the transport's thread only calls the sink, which
+With ``expert_parallel`` the worker is one rank of an expert-parallel group (:mod:`decode_node.expert_parallel`):
+its loop calls :meth:`DecodeWorker.group_step` (one lockstep tick of the group) instead of :meth:`DecodeWorker.step`.
+
+Threading: ``poll_transfers``/``step``/``group_step`` run on the worker's loop; the transport's thread only calls the sink, which
 writes under ``recv_lock`` and only while the request is still receiving, so a released block is never written.
 """
 
@@ -32,6 +35,8 @@ from kv_transfer import (
     transfer_deadline,
 )
 from kv_transfer.compression import CompressionPolicy, resolve_policy
+from decode_node.expert_group import GroupUnavailable, TickPlan
+from decode_node.expert_parallel import ExpertParallel, ExpertParallelConfig
 from prefill_node.worker import generator_from_state
 
 logger = logging.getLogger(__name__)
@@ -58,7 +63,8 @@ class _TransferClock:
 
 class DecodeWorker:
     def __init__(self, model_dir: str | Path, config: EngineConfig, manager: KVManager, *, lease_base_s: float = 5.0,
-                 lease_min_rate_bps: float = 50e6, compression: str | dict | CompressionPolicy | None = None) -> None:
+                 lease_min_rate_bps: float = 50e6, compression: str | dict | CompressionPolicy | None = None,
+                 expert_parallel: ExpertParallelConfig | None = None) -> None:
         self.lease_base_s, self.lease_min_rate_bps = lease_base_s, lease_min_rate_bps
         # the cluster's policy: with one, received KV is approximate and stays out of the prefix cache (how each
         # frame was encoded is read from its header, not from here)
@@ -71,13 +77,17 @@ class DecodeWorker:
         self.receivers: dict[str, KVReceiver] = {}
         self.clocks: dict[str, _TransferClock] = {}
         self.recv_lock = threading.Lock()
+        self.ep = None if expert_parallel is None else ExpertParallel(self.engine, model_dir, expert_parallel)
 
     @property
     def free_blocks(self) -> int:
         return self.engine.block_manager.num_free_blocks
 
     def allocate(self, request_id: str, prompt: Any, params: SamplingParams) -> Lease:
-        """Reserve blocks and issue a lease. Raises the engine's typed errors (OutOfBlocksError when full)."""
+        """Reserve blocks and issue a lease. Raises the engine's typed errors (OutOfBlocksError when full), and
+        GroupUnavailable once this worker's expert-parallel group is broken."""
+        if self.ep is not None and self.ep.broken:
+            raise GroupUnavailable(f"decode worker cannot decode: {self.ep.broken}")
         with self.recv_lock:
             blocks = self.engine.preallocate(request_id, prompt, params)
         nbytes = len(blocks) * self.engine.runner.kv_bytes_per_token * self.layout.block_size
@@ -87,7 +97,10 @@ class DecodeWorker:
                                                    min_rate_bps=self.lease_min_rate_bps))
         self.clocks[request_id] = _TransferClock(time.time())
         try:
-            self.receivers[request_id] = self.manager.expect(lease, self._sink(request_id))
+            receiver = self.manager.expect(lease, self._sink(request_id))
+            if hasattr(receiver, "decode_device"):  # decode compressed layers where the pool is
+                receiver.decode_device = self.engine.runner.device
+            self.receivers[request_id] = receiver
         except Exception:
             self._release(request_id)
             raise
@@ -151,6 +164,40 @@ class DecodeWorker:
         if self.engine.has_unfinished_requests():
             report.outputs.extend(self.engine.step())
         return report
+
+    def group_step(self, *, stop: bool = False) -> tuple[StepReport, TickPlan | None]:
+        """One tick of the expert-parallel group (every rank calls it in a loop; see :mod:`decode_node.expert_group`):
+        commit finished transfers, agree on the tick with the group, then -- when any rank has work -- run this
+        rank's engine step (or an empty pass). Returns the report and the plan (None once the group is broken:
+        the worker then fails its requests instead of decoding)."""
+        report = StepReport()
+        self.poll_transfers(report)
+        for hist in report.routing_hints.values():
+            self.ep.note_hint(hist)
+        if self.ep.broken:
+            self._fail_all(report, self.ep.broken)
+            return report, None
+        running = len(self.engine.scheduler.running)
+        try:
+            plan = self.ep.begin_tick(has_work=self.engine.has_unfinished_requests(), stop=stop, running=running)
+            if plan.any_work and not plan.stop:
+                if self.engine.has_unfinished_requests():
+                    report.outputs.extend(self.engine.step())
+                self.ep.end_tick()
+        except Exception as e:  # noqa: BLE001 - any failure mid-tick desynchronises the group for good
+            logger.exception("expert-parallel tick failed")
+            self.ep.broken = f"expert-parallel group broke: {e}"
+            self._fail_all(report, self.ep.broken)
+            return report, None
+        return report, plan
+
+    def _fail_all(self, report: StepReport, reason: str) -> None:
+        done = {o.request_id for o in report.outputs if o.finished}
+        report.outputs = [o for o in report.outputs if o.finished]
+        for rid in list(self.engine.requests):
+            if rid not in done:
+                self.abort(rid, reason)
+                report.failed[rid] = reason
 
     def has_work(self) -> bool:
         return bool(self.receivers) or self.engine.has_unfinished_requests()

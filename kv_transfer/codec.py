@@ -159,9 +159,11 @@ def encode_layer(request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, 
     return header, payload
 
 
-def decode_layer(header: dict[str, Any], payload: torch.Tensor | None,
-                 layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def decode_layer(header: dict[str, Any], payload: torch.Tensor | None, layout: KVLayout, *,
+                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Verify a layer frame against ``layout`` and its checksums, then decode it to ``(k, v, dropped)``.
+
+    ``device``: where to decode (the KV pool's device); the still-compressed payload moves there after the checksums.
 
     ``dropped``: sorted positions (``LongTensor``) of tokens the sender did not send, or None. Raises
     :class:`ChecksumMismatch` naming the failed blocks (or chunks), or :class:`ProtocolError` for a malformed frame
@@ -189,6 +191,8 @@ def decode_layer(header: dict[str, Any], payload: torch.Tensor | None,
     if bad:
         raise ChecksumMismatch(f"request {header['request_id']!r} layer {header['layer']}: crc32 mismatch in "
                                f"{unit}(s) {bad}")
+    if device is not None and payload.device != device:
+        payload = payload.to(device, non_blocking=False)
     try:
         return codec.decode(payload, header, layout)
     except TransferError:

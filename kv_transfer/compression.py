@@ -319,31 +319,54 @@ def _encode_fp8(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([tensor_bytes(scale), tensor_bytes(codes)])
 
 
-def _quantize_rows(m: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 ``m [R, C]`` in groups of ``group`` consecutive rows per column (last group partial).
-
-    Returns scale and min ``[ceil(R / group), C]`` in their storage dtype (float16 when every value fits, else
-    float32; scale rounded up, min down) and uint8 codes ``[R, C]`` computed from the stored values.
-    """
-    rows, levels = m.shape[0], (1 << bits) - 1
-    groups = -(-rows // group)
-    fill = torch.arange(groups * group, device=m.device).clamp_(max=rows - 1)  # the partial group repeats a row
-    grouped = m.index_select(0, fill).view(groups, group, -1)
-    lo, hi = grouped.amin(1).double(), grouped.amax(1).double()
+def _scale_and_min(lo: torch.Tensor, hi: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored min and scale of groups with range ``[lo, hi]``: float16 when every value fits, else float32; the
+    min rounded down and the scale up, so every value of a group lies within ``min + [0, levels] * scale``."""
+    lo, hi = lo.double(), hi.double()
     for dtype in (torch.float16, torch.float32):
         mn = _round_to(lo, dtype, up=False)
         scale = _round_to((hi - mn.double()) / levels, dtype, up=True)
         if dtype == torch.float32 or bool(torch.isfinite(mn).all() and torch.isfinite(scale).all()):
             break
-    s, lo32 = scale.float()[:, None], mn.float()[:, None]
-    q = torch.where(s > 0, (grouped - lo32) / s, torch.zeros_like(grouped)).round_().clamp_(0, levels)
-    return scale, mn, q.view(groups * group, -1)[:rows].to(torch.uint8)
+    return scale, mn
+
+
+def _quantize(grouped: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize float32 ``grouped`` over its group axis ``dim``: (scale, min) in their storage dtype with ``dim``
+    reduced, and uint8 codes of ``grouped``'s shape computed from the stored values."""
+    scale, mn = _scale_and_min(grouped.amin(dim), grouped.amax(dim), levels)
+    s = scale.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(dim)  # scale 0: the group is constant, codes 0
+    q = (grouped - mn.float().unsqueeze(dim)).div_(safe).round_().clamp_(0, levels)
+    return scale, mn, q.to(torch.uint8)
+
+
+def _pad_to(m: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``m`` extended along ``dim`` to ``size`` by repeating its last slice (a partial group's padding)."""
+    extra = size - m.shape[dim]
+    if extra == 0:
+        return m
+    last = m.narrow(dim, m.shape[dim] - 1, 1)
+    return torch.cat([m, last.expand(*[extra if d == dim else -1 for d in range(m.dim())])], dim=dim)
 
 
 def _encode_int(x: torch.Tensor, bits: int, group: int, keys: bool) -> tuple[torch.Tensor, str]:
+    """Keys: per channel over groups of ``group`` tokens (scales ``[token_groups, kvh * c]``); values: per token over
+    groups of ``group`` entries of its flattened ``[kvh * c]`` vector (scales ``[channel_groups, n]``). Codes are
+    ``[n, kvh * c]`` row-major."""
     m = x.float().reshape(x.shape[0], -1)
-    scale, mn, q = _quantize_rows(m if keys else m.t(), bits, group)
-    codes = (q if keys else q.t()).contiguous().flatten()
+    n, flat = m.shape
+    levels = (1 << bits) - 1
+    if keys:
+        groups = -(-n // group)
+        scale, mn, q = _quantize(_pad_to(m, 0, groups * group).view(groups, group, flat), 1, levels)
+        codes = q.view(groups * group, flat)[:n]
+    else:
+        groups = -(-flat // group)
+        scale, mn, q = _quantize(_pad_to(m, 1, groups * group).view(n, groups, group), 2, levels)
+        codes = q.view(n, groups * group)[:, :flat]
+        scale, mn = scale.t(), mn.t()
+    codes = codes.contiguous().flatten()
     if bits == 4:
         if codes.numel() % 2:
             codes = torch.cat([codes, codes.new_zeros(1)])
@@ -356,17 +379,22 @@ def _encode_int(x: torch.Tensor, bits: int, group: int, keys: bool) -> tuple[tor
 def _decode_int(seg: torch.Tensor, n: int, kvh: int, c: int, enc: _Encoding) -> torch.Tensor:
     flat = kvh * c
     rows, cols = (n, flat) if enc.keys else (flat, n)
+    groups = -(-rows // enc.group)
     dtype = SCALE_DTYPES[enc.scale_dtype]
-    half = -(-rows // enc.group) * cols * dtype.itemsize
-    scale = _view(seg[:half], dtype).float().view(-1, cols)
-    mn = _view(seg[half:2 * half], dtype).float().view(-1, cols)
+    half = groups * cols * dtype.itemsize
+    scale = _view(seg[:half], dtype).float().view(groups, cols)
+    mn = _view(seg[half:2 * half], dtype).float().view(groups, cols)
     codes = seg[2 * half:]
     if enc.bits == 4:
         codes = torch.stack([codes & 0xF, codes >> 4], dim=1).flatten()[:n * flat]
-    q = codes.float().view(n, flat)
-    row_group = torch.arange(rows, device=seg.device) // enc.group
-    m = mn[row_group] + (q if enc.keys else q.t()) * scale[row_group]
-    return (m if enc.keys else m.t()).reshape(n, kvh, c)
+    q = codes.view(n, flat).float()
+    if enc.keys:  # token groups: [groups, group, flat] against [groups, 1, flat]
+        out = _pad_to(q, 0, groups * enc.group).view(groups, enc.group, flat)
+        out = (out * scale.unsqueeze(1)).add_(mn.unsqueeze(1)).view(groups * enc.group, flat)[:n]
+    else:  # channel groups of each token: [n, groups, group] against [n, groups, 1]
+        out = _pad_to(q, 1, groups * enc.group).view(n, groups, enc.group)
+        out = (out * scale.t().unsqueeze(2)).add_(mn.t().unsqueeze(2)).view(n, groups * enc.group)[:, :flat]
+    return out.reshape(n, kvh, c)
 
 
 def _kept_channels(x: torch.Tensor, keep: float, score: torch.Tensor | None) -> torch.Tensor | None:
@@ -495,7 +523,10 @@ def _decode(payload: torch.Tensor, header: dict[str, Any],
     sections = meta.get("sections")
     if not isinstance(sections, dict) or sorted(sections) != sorted(SECTIONS):
         raise ProtocolError(f"codec_meta sections must be a map with keys {list(SECTIONS)}")
-    out = {w: torch.zeros(capacity, kvh, d, dtype=layout.torch_dtype, device=payload.device) for w in ("k", "v")}
+    pruned = any(isinstance(sec, dict) and isinstance(sec.get(w), dict) and sec[w].get("channels") is not None
+                 for sec in sections.values() for w in ("k", "v"))
+    alloc = torch.zeros if pruned else torch.empty  # unpruned: every row is written or zeroed below
+    out = {w: alloc(capacity, kvh, d, dtype=layout.torch_dtype, device=payload.device) for w in ("k", "v")}
     covered, used = torch.zeros(n_tok, dtype=torch.bool), 0
     for name in SECTIONS:
         sec = sections[name]
@@ -511,6 +542,10 @@ def _decode(payload: torch.Tensor, header: dict[str, Any],
     if used != payload.numel():
         raise ProtocolError(f"codec_meta entries cover {used} bytes; the payload has {payload.numel()}")
     dropped = (~covered).nonzero().flatten().to(payload.device)
+    if not pruned:
+        for t in out.values():
+            t[n_tok:].zero_()
+            t.index_fill_(0, dropped, 0)
     shape = layout.block_shape(num_blocks)
     return out["k"].view(shape), out["v"].view(shape), dropped if dropped.numel() else None
 
@@ -541,7 +576,7 @@ def _decode_entry(entry: Any, where: str, payload: torch.Tensor, pos: torch.Tens
     if n:
         x = enc.decode(payload[off:off + ln], n, kvh, c, out.dtype).to(out.dtype)
         if chans is None:
-            out[pos] = x
+            out.index_copy_(0, pos, x)
         else:
             heads = torch.arange(kvh, device=out.device)[:, None]
             out[pos[:, None, None], heads, chans.to(out.device)] = x

@@ -204,6 +204,7 @@ class BaseReceiver(Transfer, KVReceiver):
         self._sink_lock = threading.RLock()
         self._arrived = bytearray(lease.layout.num_layers)
         self.wire_bytes = 0  # payload bytes of the verified layers (what travelled, after compression)
+        self.decode_device: torch.device | None = None  # decode payloads here (the pool's device), after checksums
         self._meta: dict[str, Any] | None = None
 
     @property
@@ -240,7 +241,7 @@ class BaseReceiver(Transfer, KVReceiver):
                                         f"; the lease has {self.lease.num_blocks}")
                 if self._arrived[layer]:
                     raise ProtocolError(f"layer {layer} arrived twice")
-                k, v, dropped = decode_layer(header, payload, self.lease.layout)
+                k, v, dropped = decode_layer(header, payload, self.lease.layout, device=self.decode_device)
                 self.wire_bytes += 0 if payload is None else payload.numel()
             except TransferError as e:
                 self._fail(e, notify_peer=True)
