@@ -218,8 +218,7 @@ class LLMEngine:
                 seq.generator.set_state(generator_state)
         seq.token_ids.append(int(first_token))
         seq.metrics.first_token_time = time.perf_counter()
-        seq.status = SequenceStatus.RUNNING
-        self.scheduler.running.append(seq)
+        self.scheduler.add_prefilled(seq)
         self._check_stop(seq, int(first_token))
         if seq.finish_reason is not None:
             seq.metrics.finished_time = seq.metrics.first_token_time

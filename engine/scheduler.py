@@ -1,7 +1,9 @@
 """Continuous batching with chunked prefill and preemption.
 
 Queues a request moves through: ``waiting`` (admitted, no blocks) -> ``running`` (holds blocks; prefilling in
-chunks, then decoding one token per step) -> finished (blocks released). Under block pressure the most recently
+chunks, then decoding one token per step) -> finished (blocks released). A request whose prompt KV another worker
+computed (disaggregated decode) waits in ``prefilled`` (holding its blocks) until ``running`` has room: at most
+``max_num_seqs`` sequences run at once, however many transfers complete together. Under block pressure the most recently
 admitted running sequence is preempted: its blocks are freed (their hashes stay cached) and it returns to the front
 of ``waiting`` to be recomputed, prompt plus tokens generated so far.
 
@@ -47,15 +49,23 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefilled: deque[Sequence] = deque()
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_prefilled(self, seq: Sequence) -> None:
+        """A sequence that already holds its blocks and computed prompt; it joins ``running`` when there is room."""
+        seq.status = SequenceStatus.RUNNING
+        self.prefilled.append(seq)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilled)
 
     def schedule(self) -> SchedulerOutput:
+        while self.prefilled and len(self.running) < self.max_num_seqs:
+            self.running.append(self.prefilled.popleft())
         budget = self.max_num_batched_tokens
         chosen: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
@@ -106,6 +116,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.prefilled:
+            self.prefilled.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

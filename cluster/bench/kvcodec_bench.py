@@ -9,8 +9,9 @@ For every policy (default: ``none``, ``default``, ``aggressive``), in one run on
   decode is faster than sending the saved bytes over gloo at the rate this run measures between two gloo managers
   (64 MiB, uncompressed, checksums included; or ``--gloo-gbps``);
 * quality -- through an in-process prefill -> decode pair (the full frame path): greedy agreement with the
-  uncompressed cache over ``--prompts`` prompts x ``--tokens`` tokens, mean next-token KL divergence (decode steps
-  whose prefix still agrees), and demo-task exact-match accuracy on ``--n`` held-out questions;
+  uncompressed cache over ``--prompts`` prompts x up to ``--tokens`` tokens (each reference answer up to its end of
+  turn: tokens past it are not part of any answer), mean next-token KL divergence (decode steps whose prefix still
+  agrees), and demo-task exact-match accuracy on ``--n`` held-out questions;
 * end to end -- TTFT of a 1 prefill + 1 decode Ray cluster over gloo and gRPC (``--transports``; ``--skip-e2e``
   to leave it out) on prompts of ``--e2e-images`` images each, median of ``--e2e-requests``.
 
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated policy names (JSON policies: repeat --policy)")
     p.add_argument("--policy", action="append", default=[], metavar="JSON", help="an extra custom policy")
     p.add_argument("--prompts", type=int, default=32, help="prompts for greedy agreement and KL")
-    p.add_argument("--tokens", type=int, default=32, help="tokens generated per prompt (EOS ignored)")
+    p.add_argument("--tokens", type=int, default=32, help="most tokens generated per prompt (greedy, stops at EOS)")
     p.add_argument("--n", type=int, default=200, help="held-out questions for task accuracy (0: skip)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--transports", default="gloo,grpc", help="end-to-end TTFT transports")
@@ -60,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ----------------------------------------------------------------------------------------------------- pure helpers
 def agreement(ref: list[list[int]], got: list[list[int]]) -> float:
-    """Fraction of positions where ``got`` equals ``ref`` (same prompts, same lengths)."""
+    """Fraction of the reference's generated positions (up to its end of turn or the token limit) where ``got`` has
+    the same token; a position ``got`` never reached counts as a mismatch."""
     total = sum(len(r) for r in ref)
     same = sum(a == b for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=False))
     return same / max(1, total)
@@ -209,7 +211,7 @@ def quality_runs(model_dir: Path, config, policy, prompts: list[dict], tokens: i
 
     pair = LocalPair(model_dir, config, compression=policy)
     try:
-        sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, return_logits=True)
+        sp = SamplingParams(temperature=0, max_tokens=tokens, return_logits=True)
         outs, failed = pair.generate(prompts, sp)
         if failed:
             raise RuntimeError(f"transfers failed: {failed}")

@@ -200,3 +200,18 @@ def test_bad_header_fails_both_sides_and_frees_blocks(tiny_model_dir):
         assert not w.engine.requests
     pm.close()
     dm.close()
+
+
+def test_more_transfers_than_max_num_seqs_wait_for_a_running_slot(tiny_model_dir):
+    """Transfers that complete together beyond ``max_num_seqs`` queue (holding their blocks) instead of overflowing
+    the decode batch; every request still finishes with the local tokens."""
+    cfg = {**CFG, "max_num_seqs": 2}
+    prompts = [make_request(5 + i, seed=30 + i) for i in range(5)]
+    pair = LocalPair(tiny_model_dir, EngineConfig(**cfg))
+    try:
+        outs, failed = pair.generate(prompts, greedy(3))
+        assert not failed
+        pair.check_no_leaks()
+    finally:
+        pair.close()
+    assert [o.outputs[0].token_ids for o in outs] == _local(tiny_model_dir, prompts, greedy(3))
