@@ -3,8 +3,9 @@
 ``duet generate [MODEL_DIR] (--prompt TEXT | --token-ids 1,2,3) [--image PATH ...]`` runs one request offline;
 ``duet bench engine [MODEL_DIR]`` benchmarks the engine against transformers; ``duet bench quality [MODEL_DIR]``
 measures the demo task's accuracy; ``duet bench transfer [MODEL_DIR]`` measures the KV hand-off between
-prefill and decode workers. Errors a user can cause print one line
-and exit with code 2.
+prefill and decode workers. ``duet serve`` serves gRPC and OpenAI-compatible HTTP (:mod:`cluster.serve`);
+``duet client generate --target HOST:PORT PROMPT`` calls it (:mod:`duet_client.cli`). Errors a user can cause print
+one line and exit with code 2.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ def _token_ids(text: str) -> list[int]:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--token-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _resident(text: str) -> float | int:
+    """``--expert-resident``: ``0.25`` is a fraction, ``2`` a count of experts per layer."""
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--expert-resident must be a fraction or a count, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local: one in-process engine; disagg: prefill and decode actors on Ray")
     g.add_argument("--prefill", type=int, default=1, help="prefill workers (--mode disagg)")
     g.add_argument("--decode", type=int, default=1, help="decode workers (--mode disagg)")
+    g.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="decode workers per expert-parallel group sharing the MoE experts (--mode disagg; divides "
+                        "--decode)")
+    g.add_argument("--expert-resident", type=_resident, default=None, metavar="R",
+                   help="experts per MoE layer kept on each decode worker's device: a fraction (0.25) or a count "
+                        "(2); the rest stay in host memory (--mode disagg; default: all)")
+    g.add_argument("--expert-cache-policy", choices=["lru", "duet"], default="duet",
+                   help="with --expert-resident: lru (load on demand) or duet (pre-warm from routing hints)")
     g.add_argument("--kv-transport", choices=["gloo", "nccl", "grpc", "inproc"], default="gloo",
                    help="how KV moves from prefill to decode (--mode disagg)")
     g.add_argument("--kv-compression", default="none", metavar="POLICY",
@@ -65,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.bench.kvcodec_bench import add_arguments as add_kvcodec_arguments
 
     add_kvcodec_arguments(bsub.add_parser("kv-codec", help="KV compression policies: bytes, speed, agreement, accuracy"))
+    from cluster.bench.experts_bench import add_arguments as add_experts_arguments
+
+    add_experts_arguments(bsub.add_parser("experts", help="expert placement balancedness, migration and pre-warm"))
+    from cluster.serve.cli import add_arguments as add_serve_arguments
+    from duet_client.cli import add_arguments as add_client_arguments
+
+    add_serve_arguments(sub.add_parser("serve", help="serve gRPC (duet.v1) and OpenAI-compatible HTTP"))
+    add_client_arguments(sub.add_parser("client", help="call a Duet server over gRPC"))
     return p
 
 
@@ -91,6 +116,18 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench.kvcodec_bench import run as run_kvcodec
 
             return run_kvcodec(args)
+        if args.command == "bench" and args.bench == "experts":
+            from cluster.bench.experts_bench import run as run_experts
+
+            return run_experts(args)
+        if args.command == "serve":
+            from cluster.serve.cli import run as run_serve
+
+            return run_serve(args)
+        if args.command == "client":
+            from duet_client.cli import run as run_client
+
+            return run_client(args)
     except DuetError as e:
         print(f"duet: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -5,6 +5,9 @@ lease (reserved blocks, transport endpoint, deadline) -> pick a prefill worker (
 ``submit`` (prefill streams KV layer by layer to the lease) -> the decode worker commits the request and streams
 tokens back through :meth:`DecodeActor.poll` (one message per poll for all its requests). A failed transfer or a
 dead worker is retried once on another pair; otherwise the request fails with a typed error. Every wait has a deadline.
+
+With ``spec.expert_parallel > 1`` the decode workers form expert-parallel groups before serving (they share the MoE
+experts; :mod:`cluster.expert_router` forms them and runs one expert router per group).
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster import messages
+from cluster import expert_router, messages
 from cluster.router import WorkerLoad, pick_decode, pick_prefill
 from cluster.spec import ClusterSpec
+from cluster.timeline import RequestClock
 from engine import SamplingParams
-from engine.config import ModelConfig
+from engine.config import DTYPES, ModelConfig
 from engine.errors import DuetError, OutOfBlocksError
 from engine.image_processor import ImageProcessor, load_image
 from engine.inputs import InputProcessor
@@ -58,6 +62,7 @@ class Completion:
     attempts: int = 1
     expert_hist: list[list[int]] | None = None
     kv_transfer: dict | None = None  # transport, bytes, layers, seconds, exposed_seconds
+    timeline: dict | None = None  # cluster.timeline.RequestClock.timeline: queue_s, prefill_s, decode_s, workers, ...
 
 
 class DisaggCluster:
@@ -85,13 +90,25 @@ class DisaggCluster:
         self.prefills = [_Worker(WorkerLoad(f"prefill-{i}"), ray.remote(PrefillActor).options(**opts).remote(
             f"prefill-{i}", spec.model_dir, spec.engine_config("prefill"), spec.transport, num_threads=threads,
             stream_layers=spec.stream_layers, compression=compression)) for i in range(spec.num_prefill)]
+        ep_configs = expert_router.worker_configs(spec, cfg.text)
         self.decodes = [_Worker(WorkerLoad(f"decode-{i}"), ray.remote(DecodeActor).options(**opts).remote(
             f"decode-{i}", spec.model_dir, spec.engine_config("decode"), spec.transport, num_threads=threads,
-            lease_base_s=spec.lease_base_s, lease_min_rate_bps=spec.lease_min_rate_bps, compression=compression))
-            for i in range(spec.num_decode)]
+            lease_base_s=spec.lease_base_s, lease_min_rate_bps=spec.lease_min_rate_bps, compression=compression,
+            expert_parallel=ep_configs[i], expert_tiers=spec.tier_config())) for i in range(spec.num_decode)]
         ray.get([w.actor.ping.remote() for w in self.prefills + self.decodes], timeout=300)
+        # expert-parallel decode groups (none when spec.expert_parallel == 1): formed before any request arrives
+        try:
+            self.expert_routers = expert_router.form_groups(spec, cfg.text, [w.actor for w in self.decodes],
+                                                            DTYPES[spec.dtype].itemsize)
+        except BaseException:
+            for w in self.prefills + self.decodes:
+                ray.kill(w.actor)
+            raise
+        for r in self.expert_routers:
+            r.start()
         for w in self.decodes:
             w.load.free_blocks = messages.unpack(ray.get(w.actor.stats.remote(), timeout=30))["free_blocks"]
+        self.total_blocks = {w.load.worker_id: w.load.free_blocks for w in self.decodes}  # all free at start
         self._ids = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, str] = {}  # request id -> decode worker id
@@ -107,6 +124,75 @@ class DisaggCluster:
         p, wire = self._prepare(prompt)  # typed errors before anything is reserved
         async for item in self._serve(p, wire, params or SamplingParams(), request_id):
             yield item
+
+    def prepare(self, prompt: Any) -> tuple[Any, dict]:
+        """Validate and tokenize ``prompt`` (CPU work: call it off any event loop); raises the typed
+        :class:`~engine.errors.InvalidRequestError` subclasses. The result feeds :meth:`stream`; its first item
+        (:class:`~engine.inputs.ProcessedPrompt`) has the ``token_ids``."""
+        return self._prepare(prompt)
+
+    async def stream(self, prepared: tuple[Any, dict], params: SamplingParams | None = None, *,
+                     request_id: str | None = None) -> AsyncIterator[dict]:
+        """:meth:`generate` for a caller on another event loop (a server's): the request runs on the cluster's loop
+        and its deltas are handed over thread-safely. Closing this iterator, or cancelling the task that awaits it,
+        aborts the request on its prefill and decode workers. ``prepared`` comes from :meth:`prepare`.
+
+        The first delta that carries tokens also has ``"placement"``: ``{"accepted_at"`` (``time.monotonic()`` when
+        the prefill worker took the request), ``"prefill_worker"``, ``"decode_worker"}``."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+
+        def hand_over(kind: str, value: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(out.put_nowait, (kind, value))
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+                pass
+
+        async def pump() -> None:
+            try:
+                async for item in self._serve(*prepared, params or SamplingParams(), request_id):
+                    hand_over("item", item)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - every failure goes to the consumer
+                hand_over("error", e)
+            else:
+                hand_over("done", None)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while True:
+                kind, value = await out.get()
+                if kind == "done":
+                    return
+                if kind == "error":
+                    raise value
+                yield value
+        finally:
+            if not fut.done():
+                fut.cancel()  # cancels the request's await on the cluster loop, which aborts it on both workers
+
+    def status(self, timeout_s: float = 5.0) -> list[dict]:
+        """One dict per worker: ``worker_id, role, alive`` and the worker's own counters (prefill:
+        ``outstanding_tokens, waiting, running, free_blocks``; decode: ``free_blocks, receiving, running,
+        total_blocks``). A worker that does not answer within ``timeout_s`` is reported with ``alive=False``."""
+        import ray
+
+        workers = [("prefill", w) for w in self.prefills] + [("decode", w) for w in self.decodes]
+        refs = [w.actor.stats.remote() if w.load.alive else None for _, w in workers]
+        out = []
+        for (role, w), ref in zip(workers, refs, strict=True):
+            row: dict[str, Any] = {"worker_id": w.load.worker_id, "role": role, "alive": False}
+            if ref is not None:
+                try:
+                    stats = messages.unpack(ray.get(ref, timeout=timeout_s))
+                    row.update({k: v for k, v in stats.items() if k not in ("v", "worker_id")}, alive=True)
+                except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                    pass
+            if role == "decode":
+                row["total_blocks"] = self.total_blocks.get(w.load.worker_id, 0)
+            out.append(row)
+        return out
 
     def _prepare(self, prompt: Any) -> tuple[Any, dict]:
         """Validate and tokenize once; returns the processed prompt and its wire form (ids + PNG images)."""
@@ -153,6 +239,8 @@ class DisaggCluster:
     def shutdown(self) -> None:
         import ray
 
+        for r in self.expert_routers:
+            r.stop()
         for w in self.prefills + self.decodes:
             try:
                 ray.get(w.actor.shutdown.remote(), timeout=10)
@@ -163,8 +251,45 @@ class DisaggCluster:
             w.load.alive = False
         for fut in self._pollers:
             fut.cancel()
+
+        async def cancel_rest() -> None:  # let every task see its cancellation before the loop stops
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_rest(), self._loop).result(timeout=5)
+        except Exception:  # noqa: BLE001 - a task that ignores cancellation must not block shutdown
+            logger.warning("front-end tasks did not stop within 5 s")
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+
+    def expert_summary(self) -> dict | None:
+        """The expert-parallel groups' ``{"placement_changes", "balancedness", "prewarm_hits", "prewarm_misses"}``
+        (summed changes, mean balancedness over groups; see :meth:`cluster.expert_router.ExpertRouter.summary`), or
+        None without expert parallelism nor tiered expert memory. With tiered expert memory (``spec.expert_resident``)
+        ``prewarm_hits`` / ``prewarm_misses`` are the decode workers' expert accesses (one per layer, step and needed
+        expert) that found the expert resident / stalled on its load, summed (:mod:`decode_node.expert_tiers`)."""
+        tiers = self._tier_counts()
+        if not self.expert_routers and tiers is None:
+            return None
+        out = {"placement_changes": 0, "balancedness": None, "prewarm_hits": None, "prewarm_misses": None}
+        if self.expert_routers:
+            rows = [r.summary() for r in self.expert_routers]
+            measured = [r["balancedness"] for r in rows if r["balancedness"] is not None]
+            out.update(placement_changes=sum(r["placement_changes"] for r in rows),
+                       balancedness=sum(measured) / len(measured) if measured else None)
+        if tiers is not None:
+            out.update(tiers)
+        return out
+
+    def _tier_counts(self) -> dict | None:
+        if self.spec.expert_resident is None:
+            return None
+        rows = [r["expert_tiers"] for r in self.status() if r["role"] == "decode" and r.get("expert_tiers")]
+        return {"prewarm_hits": sum(r["expert_hits"] for r in rows),
+                "prewarm_misses": sum(r["stalled_loads"] for r in rows)}
 
     def check_no_leaks(self, timeout_s: float = 10.0) -> dict[str, int]:
         """Blocks held per live worker once idle (waits up to ``timeout_s`` for in-flight work to drain)."""
@@ -196,8 +321,10 @@ class DisaggCluster:
         c = Completion(request_id="", prompt_token_ids=p.token_ids)
         t0 = time.perf_counter()
         last = t0
+        clock = RequestClock(arrival=time.monotonic())
         async for item in self._serve(p, wire, params, None):
             now = time.perf_counter()
+            clock.observe(item)
             if item["token_ids"] and c.ttft_s is None:
                 c.ttft_s = now - t0
             c.token_ids.extend(item["token_ids"])
@@ -208,6 +335,7 @@ class DisaggCluster:
                 c.finish_reason = item["finish_reason"]
         if c.ttft_s is not None and len(c.token_ids) > 1:
             c.tpot_s = (last - t0 - c.ttft_s) / (len(c.token_ids) - 1)
+        c.timeline = clock.timeline(c.kv_transfer, attempts=c.attempts)
         c.text = self.tokenizer.decode(c.token_ids) if self.tokenizer else ""
         return c
 
@@ -245,6 +373,7 @@ class DisaggCluster:
                 return
             finally:
                 prefill.outstanding_tokens -= len(p.token_ids)
+            placement: dict | None = {"accepted_at": time.monotonic(), **{f"{k}_worker": v for k, v in where.items()}}
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -253,6 +382,8 @@ class DisaggCluster:
                 if "failed" in item:
                     yield {**item, **where}
                     return
+                if placement is not None and item.get("token_ids"):
+                    item, placement = {**item, "placement": placement}, None
                 yield item
                 if item.get("finished"):
                     return

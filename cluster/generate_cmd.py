@@ -19,6 +19,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.mode == "local" and args.kv_compression != "none":
         raise InvalidRequestError("--kv-compression applies to --mode disagg (local serving moves no KV)")
+    if args.mode == "local" and args.expert_parallel != 1:
+        raise InvalidRequestError("--expert-parallel applies to --mode disagg (decode workers share the experts)")
+    if args.mode == "local" and args.expert_resident is not None:
+        raise InvalidRequestError("--expert-resident applies to --mode disagg (it tiers the decode workers' experts)")
     images = [_load_image_file(p) for p in args.image]  # fail on a bad image before loading the model
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -70,7 +74,8 @@ def _run_disagg(args: argparse.Namespace, model_dir: str, images: list, params) 
 
     spec = ClusterSpec(model_dir=model_dir, num_prefill=args.prefill, num_decode=args.decode,
                        transport=args.kv_transport, dtype="float32" if args.dtype == "auto" else args.dtype,
-                       kv_compression=args.kv_compression,
+                       kv_compression=args.kv_compression, expert_parallel=args.expert_parallel,
+                       expert_resident=args.expert_resident, expert_cache_policy=args.expert_cache_policy,
                        gpus_per_worker=1.0 if args.device == "cuda" else 0.0)
     started = not ray.is_initialized()
     if started:
@@ -79,12 +84,16 @@ def _run_disagg(args: argparse.Namespace, model_dir: str, images: list, params) 
     cluster = DisaggCluster(spec)
     try:
         c = cluster.generate_batch([_prompt(args, cluster.tokenizer, images)], params)[0]
+        experts = cluster.expert_summary()
     finally:
         cluster.shutdown()
         if started:
             ray.shutdown()
-    return {"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
-            "metrics": {"ttft_s": c.ttft_s, "tpot_s": c.tpot_s}, "kv_transfer": c.kv_transfer}
+    result = {"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
+              "metrics": {"ttft_s": c.ttft_s, "tpot_s": c.tpot_s}, "kv_transfer": c.kv_transfer}
+    if experts is not None:  # placement_changes, balancedness, prewarm_hits, prewarm_misses (see expert_summary)
+        result["experts"] = experts
+    return result
 
 
 def _load_image_file(path: str) -> PIL.Image.Image:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.config import DTYPES, ModelConfig
+from decode_node.expert_tiers import TIER_POLICIES, TierConfig
+from engine.config import DTYPES, ModelConfig, TextConfig
 from engine.errors import InvalidRequestError
 
 TRANSPORTS = ("inproc", "gloo", "nccl", "grpc")
@@ -33,6 +34,19 @@ class ClusterSpec:
     lease_base_s: float = 5.0  # lease deadline = now + lease_base_s + bytes / lease_min_rate_bps
     lease_min_rate_bps: float = 50e6
     kv_compression: str | dict | None = "none"  # a policy name, JSON or dict (kv_transfer.compression)
+    # expert parallelism: decode workers form groups of this size that share the experts (1: every decode worker
+    # holds all experts); each worker has expert_slots_per_worker slots per MoE layer (None: ceil(experts / size))
+    expert_parallel: int = 1
+    expert_slots_per_worker: int | None = None
+    expert_rebalance_s: float = 10.0  # the expert router's period (0: static placement unless forced)
+    expert_max_moves: int | None = None  # per layer and rebalance; None: place from scratch
+    expert_group_host: str = "127.0.0.1"  # group rendezvous address; "auto": rank 0's node IP (multi-node)
+    expert_group_timeout_s: float = 60.0  # bounds the rendezvous and every collective of the group
+    # tiered expert memory on each decode worker (decode_node.expert_tiers): a fraction (float) or count (int) of
+    # each MoE layer's experts kept on the device, the rest in host memory (None: all resident); the policy that
+    # pre-warms and evicts: "lru" (on demand) or "duet" (routing hints, forecast, look-ahead)
+    expert_resident: float | int | None = None
+    expert_cache_policy: str = "duet"
     extra_engine: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -49,8 +63,57 @@ class ClusterSpec:
             raise InvalidRequestError(f"dtype must be one of {list(DTYPES)}")
         if self.transport == "nccl" and self.gpus_per_worker <= 0:
             raise InvalidRequestError("the nccl transport needs GPU workers (gpus_per_worker > 0)")
-        ModelConfig.from_pretrained(self.model_dir)  # fail here, not in an actor, on an unusable checkpoint
+        cfg = ModelConfig.from_pretrained(self.model_dir)  # fail here, not in an actor, on an unusable checkpoint
         self.compression_policy()  # raises on a bad policy
+        self._check_expert_parallel(cfg.text)
+        self._check_expert_tiers(cfg.text)
+
+    def _check_expert_parallel(self, text: TextConfig) -> None:
+        ep, slots = self.expert_parallel, self.expert_slots_per_worker
+        if ep < 1:
+            raise InvalidRequestError(f"expert_parallel must be >= 1, got {ep}")
+        if self.num_decode % ep:
+            raise InvalidRequestError(f"expert_parallel {ep} must divide num_decode {self.num_decode} (each group "
+                                      f"of {ep} decode workers shares one copy of the experts)")
+        if ep == 1:
+            if slots is not None:
+                raise InvalidRequestError("expert_slots_per_worker needs expert_parallel > 1")
+            return
+        if not text.is_moe:
+            raise InvalidRequestError(f"expert_parallel {ep} needs an MoE model; {self.model_dir} is a dense "
+                                      f"{text.model_type} model")
+        if slots is not None and (slots < 1 or slots * ep < text.num_experts):
+            raise InvalidRequestError(f"{ep} workers x {slots} expert slots cannot hold {text.num_experts} experts "
+                                      f"(need expert_slots_per_worker >= {-(-text.num_experts // ep)})")
+        if self.expert_max_moves is not None and self.expert_max_moves < 1:
+            raise InvalidRequestError("expert_max_moves must be >= 1 (or None)")
+        if self.expert_rebalance_s < 0 or self.expert_group_timeout_s <= 0:
+            raise InvalidRequestError("expert_rebalance_s must be >= 0 and expert_group_timeout_s > 0")
+
+    def _check_expert_tiers(self, text: TextConfig) -> None:
+        if self.expert_cache_policy not in TIER_POLICIES:
+            raise InvalidRequestError(f"unknown expert_cache_policy {self.expert_cache_policy!r} (choose from "
+                                      f"{', '.join(TIER_POLICIES)})")
+        if self.expert_resident is None:
+            return
+        if not text.is_moe:
+            raise InvalidRequestError(f"expert_resident needs an MoE model; {self.model_dir} is a dense "
+                                      f"{text.model_type} model")
+        if self.expert_parallel > 1:
+            raise InvalidRequestError("expert_resident (tiered expert memory) is not supported with expert_parallel "
+                                      "> 1 yet")
+        TierConfig(**self.tier_config()).capacity(sum(text.moe_layers), text.num_experts)  # a count above E raises
+
+    def tier_config(self) -> dict | None:
+        """The decode workers' :class:`decode_node.expert_tiers.TierConfig` as a dict (None: all experts resident).
+        Raises InvalidRequestError on a bad fraction or count."""
+        if self.expert_resident is None:
+            return None
+        return TierConfig(self.expert_resident, self.expert_cache_policy).to_dict()
+
+    def slots_per_worker(self, num_experts: int) -> int:
+        """Expert slots per decode worker and MoE layer (expert-parallel groups)."""
+        return self.expert_slots_per_worker or -(-num_experts // self.expert_parallel)
 
     def compression_policy(self) -> dict | None:
         """The KV compression policy as a dict for the workers (None: uncompressed)."""

@@ -21,6 +21,7 @@ from cluster.worker_actor import WorkerActorBase
 from decode_node.expert_group import ExpertGroup, host_store
 from decode_node.expert_parallel import ExpertParallelConfig
 from decode_node.expert_slots import SlotTable
+from decode_node.expert_tiers import TierConfig
 from decode_node.worker import DecodeWorker, StepReport
 from engine import EngineConfig
 from engine.errors import DuetError
@@ -34,13 +35,15 @@ class DecodeActor(WorkerActorBase):
 
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *,
                  num_threads: int = 1, lease_base_s: float = 5.0, lease_min_rate_bps: float = 50e6,
-                 compression: dict | None = None, expert_parallel: dict | None = None) -> None:
+                 compression: dict | None = None, expert_parallel: dict | None = None,
+                 expert_tiers: dict | None = None) -> None:
         self._init_common(worker_id, num_threads)
         self.manager = get_manager_class(transport)(worker_id=worker_id)
         ep = None if expert_parallel is None else ExpertParallelConfig(**expert_parallel)
         self.worker = DecodeWorker(model_dir, EngineConfig(**engine_config), self.manager, lease_base_s=lease_base_s,
                                    lease_min_rate_bps=lease_min_rate_bps, compression=compression,
-                                   expert_parallel=ep)
+                                   expert_parallel=ep,
+                                   expert_tiers=None if expert_tiers is None else TierConfig(**expert_tiers))
         self.cond = threading.Condition()
         self.pending: list[dict] = []  # token deltas and failures not yet polled
         self.sent: dict[str, int] = {}  # tokens already reported per request
@@ -121,9 +124,10 @@ class DecodeActor(WorkerActorBase):
         with self.lock:
             e = self.worker.engine
             experts = None if self.worker.ep is None else self.worker.ep.stats()
+            tiers = None if self.worker.tiers is None else self.worker.tiers.summary()
             return messages.pack(worker_id=self.worker_id, free_blocks=self.worker.free_blocks,
                                  receiving=len(self.worker.receivers), running=len(e.scheduler.running),
-                                 experts=experts)
+                                 experts=experts, expert_tiers=tiers)
 
     def shutdown(self) -> None:
         self.stopped = True
@@ -131,6 +135,8 @@ class DecodeActor(WorkerActorBase):
             self.cond.notify_all()
         if self.thread is not None:
             self.thread.join(timeout=5)
+        if self.worker.tiers is not None:
+            self.worker.tiers.close()
         self.manager.close()
 
     def _loop(self) -> None:

@@ -72,7 +72,7 @@ class LayerResult:
 
 
 def pick_slots(experts: torch.Tensor, route: LayerRoute, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """experts ``[T, k]`` -> (pair ids ``[N]`` into ``experts.view(-1)`` sorted by physical slot, their slots ``[N]``)."""
+    """experts ``[T, k]`` -> (pair ids ``[N]`` into ``experts.view(-1)``, sorted by physical slot; their slots)."""
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     by_expert = flat[order]

@@ -82,12 +82,15 @@ class ExpertShard:
         with self._lock:
             if self._staged is None or self._staged.table.version != version:
                 raise InvalidPlacement(f"rank {self.rank}: placement {version} is not staged")
+            if self.device.type == "cuda":
+                # queued kernels may still read the old buffers; the allocator only tracks their staging stream
+                torch.cuda.synchronize(self.device)
             self.active, self._staged = self._staged, None
 
     def _load(self, table: SlotTable) -> None:
         try:
             built = self._build(table, self.active)
-        except Exception as e:  # noqa: BLE001 - a thread boundary: report, keep the active placement
+        except Exception as e:  # a thread boundary: report it, keep the active placement
             log.exception("loading placement %d failed", table.version)
             with self._lock:
                 self.stage_error = f"placement {table.version}: {e}"
@@ -148,7 +151,7 @@ class LoadWindow:
     def tick(self) -> None:
         self._ticks += 1
         if self._ticks >= self.bucket_ticks:
-            self.done.append(self.current.cpu().numpy())
+            self.done.append(self.current.cpu().numpy().copy())  # on the CPU, .cpu() is no copy
             self._rolled += self.done[-1]
             self.current.zero_()
             self._ticks = 0

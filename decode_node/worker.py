@@ -9,9 +9,12 @@ surfaces as a failure for the router to retry or report; no partially written ca
 
 With ``expert_parallel`` the worker is one rank of an expert-parallel group (:mod:`decode_node.expert_parallel`):
 its loop calls :meth:`DecodeWorker.group_step` (one lockstep tick of the group) instead of :meth:`DecodeWorker.step`.
+With ``expert_tiers`` (not with ``expert_parallel``) only some experts stay on the device
+(:mod:`decode_node.expert_tiers`): committed requests' routing hints, and their departures, go to its pre-warm policy.
 
-Threading: ``poll_transfers``/``step``/``group_step`` run on the worker's loop; the transport's thread only calls the sink, which
-writes under ``recv_lock`` and only while the request is still receiving, so a released block is never written.
+Threading: ``poll_transfers``/``step``/``group_step`` run on the worker's loop; the transport's thread only calls the
+sink, which writes under ``recv_lock`` and only while the request is still receiving, so a released block is never
+written.
 """
 
 from __future__ import annotations
@@ -25,7 +28,11 @@ from typing import Any
 
 import torch
 
+from decode_node.expert_group import GroupUnavailable, TickPlan
+from decode_node.expert_parallel import ExpertParallel, ExpertParallelConfig
+from decode_node.expert_tiers import ExpertTiers, TierConfig
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from engine.errors import InvalidRequestError
 from kv_transfer import (
     KVLayout,
     KVManager,
@@ -35,8 +42,6 @@ from kv_transfer import (
     transfer_deadline,
 )
 from kv_transfer.compression import CompressionPolicy, resolve_policy
-from decode_node.expert_group import GroupUnavailable, TickPlan
-from decode_node.expert_parallel import ExpertParallel, ExpertParallelConfig
 from prefill_node.worker import generator_from_state
 
 logger = logging.getLogger(__name__)
@@ -64,7 +69,9 @@ class _TransferClock:
 class DecodeWorker:
     def __init__(self, model_dir: str | Path, config: EngineConfig, manager: KVManager, *, lease_base_s: float = 5.0,
                  lease_min_rate_bps: float = 50e6, compression: str | dict | CompressionPolicy | None = None,
-                 expert_parallel: ExpertParallelConfig | None = None) -> None:
+                 expert_parallel: ExpertParallelConfig | None = None, expert_tiers: TierConfig | None = None) -> None:
+        if expert_parallel is not None and expert_tiers is not None:
+            raise InvalidRequestError("tiered expert memory is not supported on expert-parallel decode workers yet")
         self.lease_base_s, self.lease_min_rate_bps = lease_base_s, lease_min_rate_bps
         # the cluster's policy: with one, received KV is approximate and stays out of the prefix cache (how each
         # frame was encoded is read from its header, not from here)
@@ -78,6 +85,7 @@ class DecodeWorker:
         self.clocks: dict[str, _TransferClock] = {}
         self.recv_lock = threading.Lock()
         self.ep = None if expert_parallel is None else ExpertParallel(self.engine, model_dir, expert_parallel)
+        self.tiers = None if expert_tiers is None else ExpertTiers(self.engine, expert_tiers)
 
     @property
     def free_blocks(self) -> int:
@@ -121,6 +129,8 @@ class DecodeWorker:
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         receiver = self.receivers.pop(request_id, None)
         self.clocks.pop(request_id, None)
+        if self.tiers is not None:
+            self.tiers.on_requests([], [request_id])
         if receiver is not None:
             receiver.abort(reason)
             return self._release(request_id)
@@ -141,6 +151,8 @@ class DecodeWorker:
                                                    generator_from_state(meta.get("generator_state")), lossy=self.lossy)
                 if "expert_hist" in meta:
                     report.routing_hints[rid] = meta["expert_hist"]
+                    if self.tiers is not None:  # pre-warm this request's experts before its first decode step
+                        self.tiers.on_requests([(rid, meta["expert_hist"])], [])
                 report.transfers[rid] = self._transfer_stats(rid, meta)
                 report.transfers[rid]["wire_bytes"] = getattr(receiver, "wire_bytes", report.transfers[rid]["bytes"])
                 report.outputs.append(out)
@@ -163,6 +175,9 @@ class DecodeWorker:
         self.poll_transfers(report)
         if self.engine.has_unfinished_requests():
             report.outputs.extend(self.engine.step())
+        done = [o.request_id for o in report.outputs if o.finished]
+        if self.tiers is not None and done:
+            self.tiers.on_requests([], done)
         return report
 
     def group_step(self, *, stop: bool = False) -> tuple[StepReport, TickPlan | None]:
@@ -184,7 +199,7 @@ class DecodeWorker:
                 if self.engine.has_unfinished_requests():
                     report.outputs.extend(self.engine.step())
                 self.ep.end_tick()
-        except Exception as e:  # noqa: BLE001 - any failure mid-tick desynchronises the group for good
+        except Exception as e:  # any failure mid-tick desynchronises the group for good
             logger.exception("expert-parallel tick failed")
             self.ep.broken = f"expert-parallel group broke: {e}"
             self._fail_all(report, self.ep.broken)

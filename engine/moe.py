@@ -4,9 +4,15 @@ Routing follows transformers exactly: router logits in the model dtype, softmax 
 renormalisation (``norm_topk_prob``; Mixtral always renormalises), and for Qwen3-MoE a cast of the weights back to
 the model dtype. Execution sorts the (token, slot) pairs by expert and runs one grouped GEMM for gate/up and one for
 down over the experts that received tokens. ``expert_counts`` accumulates how many tokens each expert received; later stages place experts from it.
+
+``executor``, when set, takes over execution after routing: ``executor(x [T, H], weights [T, k], experts [T, k])
+-> [T, H]`` in x's dtype. The expert-parallel decode group (:mod:`decode_node.expert_parallel`) plugs in there to
+run the experts on the workers that hold them; the module's own expert tensors are then unused.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +39,7 @@ class SparseMoe(nn.Module):
         self.register_buffer("expert_counts", torch.zeros(e, dtype=torch.int64), persistent=False)
         self.record_routing = False
         self.last_experts: torch.Tensor | None = None  # [T, k] of the last forward, when record_routing is set
+        self.executor: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k], expert ids [T, k])."""
@@ -50,9 +57,11 @@ class SparseMoe(nn.Module):
         if self.record_routing:
             self.last_experts = experts
         flat = experts.view(-1)
-        order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.expert_counts += counts
+        if self.executor is not None:
+            return self.executor(x, weights, experts)
+        order = torch.argsort(flat, stable=True)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         token = order // self.top_k
         xs = x[token]  # [S, H], S = T * k, grouped by expert

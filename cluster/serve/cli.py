@@ -1,0 +1,100 @@
+"""``duet serve``: start (or join) a Ray cluster, build the prefill/decode deployment, serve gRPC and HTTP.
+
+Prints exactly one line on stdout when it takes requests (``duet serve: ready  grpc=HOST:PORT  http=URL ...``);
+everything else goes to stderr. Ctrl-C or SIGTERM drains in-flight requests (up to ``drain_timeout_s``; a second
+signal aborts them at once) and shuts the workers down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+logger = logging.getLogger("duet.serve")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML or JSON file: ClusterSpec fields and a 'serve:' section")
+    p.add_argument("--model-dir", help="checkpoint directory (default: the config's, else the embedded demo model)")
+    p.add_argument("--host", help="address both servers bind (default 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, help="gRPC port (default 50051; 0 = a free port)")
+    p.add_argument("--http-port", type=int, help="HTTP port (default 8000; 0 = a free port)")
+    p.add_argument("--token", help="bearer token every call must carry (default: $DUET_TOKEN if set)")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="allow binding a non-loopback address without a token")
+    p.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS only)")
+    p.add_argument("--tls-key", help="PEM private key")
+    p.add_argument("--model-name", help="the model name clients use (default: the model directory's name)")
+    p.add_argument("--max-concurrent", type=int, help="requests in flight before RESOURCE_EXHAUSTED / 429")
+    p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s",
+                   help="seconds in-flight requests may take to finish on shutdown (default 30)")
+    p.add_argument("--address", help="join this Ray cluster (e.g. auto, or HOST:6379) instead of starting one")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.demo import default_model_dir
+    from cluster.serve.config import build_configs, read_config_file
+
+    data = read_config_file(args.config) if args.config else {}
+    if args.max_concurrent is not None:
+        data.setdefault("serve", {}).setdefault("limits", {})["max_concurrent"] = args.max_concurrent
+    overrides = {k: getattr(args, k) for k in ("host", "grpc_port", "http_port", "insecure", "tls_cert", "tls_key",
+                                               "model_name", "drain_timeout_s")}
+    overrides["token"] = args.token or os.environ.get("DUET_TOKEN") or None
+    overrides["model_dir"] = args.model_dir
+    model_default = data.get("model_dir") or str(default_model_dir())
+    spec, cfg = build_configs(data, overrides, model_default)  # every config error before Ray starts
+
+    import ray
+
+    from cluster.disagg import DisaggCluster
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="duet serve: %(levelname)s %(message)s")
+    started = not ray.is_initialized()
+    if started:
+        if args.address:
+            ray.init(address=args.address, log_to_driver=False, configure_logging=False)
+        else:
+            ray.init(num_cpus=max(os.cpu_count() or 1, spec.num_prefill + spec.num_decode),
+                     include_dashboard=False, log_to_driver=False, configure_logging=False)
+    cluster = None
+    try:
+        cluster = DisaggCluster(spec)
+        asyncio.run(_serve(cluster, cfg))
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+        if started:
+            ray.shutdown()
+    print("duet serve: stopped", file=sys.stderr)
+    return 0
+
+
+async def _serve(cluster, cfg) -> None:
+    from cluster.serve.server import Server
+
+    loop = asyncio.get_running_loop()
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            print("duet serve: aborting in-flight requests", file=sys.stderr, flush=True)
+            force.set()
+        else:
+            print(f"duet serve: draining (up to {cfg.drain_timeout_s:.0f} s; signal again to abort)",
+                  file=sys.stderr, flush=True)
+            stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    server = Server(cluster, cfg)
+    await server.start()
+    print(server.ready_line(), flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(force=force)

@@ -1,0 +1,58 @@
+"""How a failed request is reported on each API: gRPC status code, HTTP status, OpenAI error type, metric outcome.
+
+One table for both front-ends, so a bad image is INVALID_ARGUMENT on gRPC and 400 on HTTP by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from cluster.disagg import RequestTimeoutError, TransferFailedError
+from cluster.serve.limits import Overloaded
+from engine.errors import DuetError, InvalidRequestError, OutOfBlocksError
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this server does not serve."""
+
+
+class DuplicateRequestIdError(InvalidRequestError):
+    """A running request already has this id."""
+
+
+class ServerDrainingError(DuetError):
+    """The server is shutting down and takes no new requests."""
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    grpc_code: grpc.StatusCode
+    http_status: int
+    openai_type: str
+    openai_code: str | None
+    outcome: str  # metric label
+    message: str
+    retry_after_s: float | None = None
+
+
+def classify(e: BaseException) -> ErrorInfo:
+    """The report of ``e`` (an unexpected exception is INTERNAL / 500 with a generic message)."""
+    msg = str(e) or type(e).__name__
+    if isinstance(e, ModelNotFoundError):
+        return ErrorInfo(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", "model_not_found",
+                         "invalid", msg)
+    if isinstance(e, InvalidRequestError):
+        return ErrorInfo(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", None, "invalid", msg)
+    if isinstance(e, Overloaded):
+        return ErrorInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "rate_limit_exceeded",
+                         "overloaded", msg, e.retry_after_s)
+    if isinstance(e, OutOfBlocksError):
+        return ErrorInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "out_of_kv_blocks",
+                         "overloaded", f"{msg}; retry shortly", 1.0)
+    if isinstance(e, ServerDrainingError | TransferFailedError):
+        return ErrorInfo(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", None, "unavailable", msg)
+    if isinstance(e, RequestTimeoutError):
+        return ErrorInfo(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout", None, "timeout", msg)
+    return ErrorInfo(grpc.StatusCode.INTERNAL, 500, "server_error", None, "error", f"internal error: {msg}")

@@ -1,0 +1,187 @@
+"""The ``duet.v1.Duet`` gRPC service (grpc.aio), its bearer-token check, and the standard health service.
+
+Messages are converted at this edge only: :func:`request_from_proto` builds the service's
+:class:`~cluster.serve.service.GenerateInput`; events go back as ``GenerateResponse`` messages. A client that
+cancels the call cancels the handler task, which closes the service's stream and aborts the request on its workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import uuid
+from pathlib import Path
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cluster.serve.config import ServeConfig
+from cluster.serve.errors import classify
+from cluster.serve.schema import (
+    DeltaEvent,
+    FinalEvent,
+    GenerateInput,
+    ImageInput,
+    SamplingOptions,
+)
+from cluster.serve.service import InferenceService
+from duet_client._proto.duet.v1 import duet_pb2 as pb
+from duet_client._proto.duet.v1 import duet_pb2_grpc as pb_grpc
+from duet_client.errors import RETRY_AFTER_KEY
+from engine.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+API_VERSION = 1
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+_ROLES = {"prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE}
+
+
+def request_from_proto(req: pb.GenerateRequest) -> GenerateInput:
+    if req.api_version > API_VERSION:
+        raise InvalidRequestError(f"api_version {req.api_version} is newer than this server's ({API_VERSION})")
+    s = req.sampling
+    sampling = SamplingOptions(
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None, top_k=s.top_k if s.HasField("top_k") else None,
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else None, min_tokens=s.min_tokens,
+        stop_token_ids=list(s.stop_token_ids), stop=list(s.stop), ignore_eos=s.ignore_eos,
+        seed=s.seed if s.HasField("seed") else None)
+    kind = req.WhichOneof("input")
+    inp = GenerateInput(images=[ImageInput(i.data, i.mime_type) for i in req.images], raw_prompt=req.raw_prompt,
+                        sampling=sampling, model=req.model, request_id=req.request_id)
+    if kind == "prompt_token_ids":
+        inp.prompt_token_ids = list(req.prompt_token_ids.ids)
+    elif kind == "chat":
+        inp.messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+    else:
+        inp.prompt = req.prompt  # unset: "" -> "the prompt is empty"
+    return inp
+
+
+def final_to_proto(ev: FinalEvent) -> pb.GenerateFinal:
+    t, kv = ev.timeline, ev.timeline.get("kv_transfer") or {}
+    timeline = pb.Timeline(
+        queue_seconds=t["queue_s"], preprocess_seconds=t["preprocess_s"], prefill_seconds=t["prefill_s"],
+        decode_seconds=t["decode_s"], ttft_seconds=t["ttft_s"], total_seconds=t["total_s"],
+        attempts=t["attempts"], prefill_worker=t.get("prefill_worker", ""),
+        decode_worker=t.get("decode_worker", ""),
+        kv_transfer=pb.KVTransfer(transport=kv.get("transport", ""), bytes=int(kv.get("bytes", 0)),
+                                  wire_bytes=int(kv.get("wire_bytes", kv.get("bytes", 0))),
+                                  layers=int(kv.get("layers", 0)), seconds=float(kv.get("seconds", 0.0)),
+                                  exposed_seconds=float(kv.get("exposed_seconds", 0.0))))
+    usage = pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
+                     total_tokens=ev.prompt_tokens + ev.completion_tokens)
+    return pb.GenerateFinal(finish_reason=_FINISH.get(ev.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+                            stop=ev.stop, usage=usage, timeline=timeline)
+
+
+class DuetServicer(pb_grpc.DuetServicer):
+    def __init__(self, service: InferenceService) -> None:
+        self.service = service
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            inp = request_from_proto(request)
+            inp.request_id = rid
+            await context.send_initial_metadata((("x-request-id", rid),))
+            # aclosing: a cancelled call closes the request at once, wherever this handler was suspended
+            async with contextlib.aclosing(self.service.generate(inp, api="grpc")) as events:
+                async for ev in events:
+                    if isinstance(ev, DeltaEvent):
+                        yield pb.GenerateResponse(api_version=API_VERSION, request_id=rid,
+                                                  delta=pb.TokenDelta(token_ids=ev.token_ids, text=ev.text))
+                    else:
+                        yield pb.GenerateResponse(api_version=API_VERSION, request_id=rid, final=final_to_proto(ev))
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status
+            await _abort_with(context, e)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(api_version=API_VERSION, found=self.service.abort(request.request_id))
+
+    async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(api_version=API_VERSION, models=[pb.ModelInfo(**self.service.model_info())])
+
+    async def ClusterStatus(self, request: pb.ClusterStatusRequest, context) -> pb.ClusterStatusResponse:
+        st = await self.service.status()
+        workers = [pb.WorkerStatus(
+            worker_id=w["worker_id"], role=_ROLES[w["role"]], alive=w["alive"], waiting=w.get("waiting", 0),
+            running=w.get("running", 0), receiving=w.get("receiving", 0),
+            outstanding_tokens=w.get("outstanding_tokens", 0), free_blocks=w.get("free_blocks", 0),
+            total_blocks=w.get("total_blocks", 0)) for w in st["workers"]]
+        return pb.ClusterStatusResponse(
+            api_version=API_VERSION, model=st["model"], transport=st["transport"], workers=workers,
+            in_flight=st["in_flight"], max_concurrent=st["max_concurrent"], kv_usage=st["kv_usage"],
+            experts=pb.ExpertSummary(**st["experts"]), requests_served=st["requests_served"],
+            draining=st["draining"])
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, e: BaseException) -> None:
+    info = classify(e)
+    if info.grpc_code == grpc.StatusCode.INTERNAL:
+        logger.exception("Generate failed", exc_info=e)
+    trailing = ((RETRY_AFTER_KEY, str(int(info.retry_after_s * 1000))),) if info.retry_after_s else ()
+    await context.abort(info.grpc_code, info.message, trailing_metadata=trailing)
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Requires ``authorization: Bearer <token>`` on every call except the health service's."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
+            return handler
+        got = dict(details.invocation_metadata or ()).get("authorization")
+        if got is not None and hmac.compare_digest(str(got).encode(), self._expected):
+            return handler
+        why = "missing bearer token (authorization metadata)" if got is None else "wrong bearer token"
+        return _denying(handler, why)
+
+
+def _denying(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends the call with UNAUTHENTICATED."""
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+
+    async def deny(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
+    async def deny_stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(deny, **kw)
+    if handler.stream_stream:
+        return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
+    return grpc.unary_unary_rpc_method_handler(deny, **kw)
+
+
+async def start_grpc(service: InferenceService, cfg: ServeConfig
+                     ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Start the gRPC server on ``cfg.host:cfg.grpc_port``; returns it, the bound port, and its health servicer."""
+    interceptors = [TokenAuthInterceptor(cfg.token)] if cfg.token else []
+    size = cfg.limits.max_message_bytes
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+        ("grpc.so_reuseport", 0)])
+    pb_grpc.add_DuetServicer_to_server(DuetServicer(service), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{cfg.host}:{cfg.grpc_port}" if ":" not in cfg.host else f"[{cfg.host}]:{cfg.grpc_port}"
+    if cfg.tls:
+        creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    await server.start()
+    for name in ("", "duet.v1.Duet"):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer

@@ -1,0 +1,206 @@
+"""OpenAI-compatible HTTP API (aiohttp): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, plus
+``/health`` and ``/metrics`` (Prometheus).
+
+Chat messages take text and ``image_url`` parts; images must be base64 ``data:`` URLs (the server fetches nothing).
+Each image part becomes an ``<image>`` placeholder at its place in the message, and the conversation goes through
+the model's chat template. ``/v1/completions`` takes the prompt as it is (text or token ids). ``stream: true``
+answers with server-sent events ending in ``data: [DONE]``. Errors have OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}``. A client that disconnects cancels the handler (aiohttp's
+handler cancellation), which aborts the request on its workers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from cluster.serve.errors import classify
+from cluster.serve.openai_requests import chat_input, completion_from_body
+from cluster.serve.schema import DeltaEvent, FinalEvent, GenerateInput
+from cluster.serve.service import InferenceService
+from engine.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+SERVICE_KEY = web.AppKey("service", InferenceService)
+TOKEN_KEY = web.AppKey("token", str)
+_PUBLIC_PATHS = ("/health",)
+
+
+# ------------------------------------------------------------------------------------------------------ responses
+def error_response(e: BaseException) -> web.Response:
+    info = classify(e)
+    if info.http_status >= 500 and info.outcome == "error":
+        logger.exception("request failed", exc_info=e)
+    headers = {"Retry-After": str(max(1, round(info.retry_after_s)))} if info.retry_after_s else None
+    return web.json_response(_error_body(info.message, info.openai_type, info.openai_code),
+                             status=info.http_status, headers=headers)
+
+
+def _error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _usage(ev: FinalEvent) -> dict:
+    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+            "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+
+
+def _finish(reason: str) -> str:
+    return "stop" if reason == "abort" else reason  # OpenAI has no "abort"
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InvalidRequestError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    return body
+
+
+async def _serve(request: web.Request, inp: GenerateInput, body: dict, chat: bool) -> web.StreamResponse:
+    service = request.app[SERVICE_KEY]
+    kind = "chat.completion" if chat else "text_completion"
+    meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": service.model_name}
+    events = service.generate(inp, api="http")
+    try:
+        if body.get("stream"):
+            opts = body.get("stream_options") or {}
+            return await _stream(request, events, meta, kind, chat, bool(opts.get("include_usage")))
+        text, final = [], None
+        async for ev in events:
+            if isinstance(ev, DeltaEvent):
+                text.append(ev.text)
+            else:
+                final = ev
+        assert final is not None
+        choice: dict = {"index": 0, "finish_reason": _finish(final.finish_reason), "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+        return web.json_response({**meta, "object": kind, "choices": [choice], "usage": _usage(final),
+                                  "duet_timeline": final.timeline})
+    finally:
+        await events.aclose()
+
+
+async def _stream(request: web.Request, events: AsyncIterator, meta: dict, kind: str, chat: bool,
+                  include_usage: bool) -> web.StreamResponse:
+    first = await anext(events)  # a bad request fails here, before the 200 is sent
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+
+    async def send(obj: dict | str) -> None:
+        await resp.write(f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode())
+
+    def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": text or ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return {**meta, "object": f"{kind}.chunk" if chat else kind, "choices": [choice]}
+
+    role_sent = False
+    ev = first
+    try:
+        while True:
+            if isinstance(ev, DeltaEvent):
+                if ev.text or (chat and not role_sent):
+                    await send(chunk(ev.text, None, role=chat and not role_sent))
+                    role_sent = True
+            else:
+                await send(chunk(None, _finish(ev.finish_reason)))
+                if include_usage:
+                    await send({**meta, "object": f"{kind}.chunk" if chat else kind, "choices": [],
+                                "usage": _usage(ev)})
+                break
+            ev = await anext(events)
+    except Exception as e:  # noqa: BLE001 - after the 200: report in-band, as OpenAI-compatible servers do
+        info = classify(e)
+        await send(_error_body(info.message, info.openai_type, info.openai_code))
+    await send("[DONE]")
+    await resp.write_eof()
+    return resp
+
+
+# --------------------------------------------------------------------------------------------------------- routes
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    try:
+        body = await _json_body(request)
+        return await _serve(request, chat_input(body), body, chat=True)
+    except web.HTTPException:
+        raise
+    except Exception as e:  # noqa: BLE001
+        return error_response(e)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    try:
+        body = await _json_body(request)
+        return await _serve(request, completion_from_body(body), body, chat=False)
+    except web.HTTPException:
+        raise
+    except Exception as e:  # noqa: BLE001
+        return error_response(e)
+
+
+async def models(request: web.Request) -> web.Response:
+    info = request.app[SERVICE_KEY].model_info()
+    return web.json_response({"object": "list", "data": [
+        {"id": info["id"], "object": "model", "created": 0, "owned_by": "duet",
+         "max_model_len": info["max_model_len"]}]})
+
+
+async def health_check(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    ok = service.healthy()
+    return web.json_response({"status": "ok" if ok else ("draining" if service.draining else "unavailable")},
+                             status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    return web.Response(body=service.metrics.render(), headers={"Content-Type": service.metrics.content_type})
+
+
+@web.middleware
+async def auth_and_errors(request: web.Request, handler):
+    """Bearer token (when configured) on everything but ``/health``; aiohttp's own errors in OpenAI's shape."""
+    token = request.app.get(TOKEN_KEY)
+    if token and request.path not in _PUBLIC_PATHS:
+        got = request.headers.get("Authorization")
+        if got is None or not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            why = "missing bearer token (Authorization header)" if got is None else "wrong bearer token"
+            request.app[SERVICE_KEY].metrics.requests.labels("http", "unauthenticated").inc()
+            return web.json_response(_error_body(why, "authentication_error", "invalid_api_key"), status=401)
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        return web.json_response(_error_body(e.reason or str(e), kind), status=e.status)
+
+
+def make_app(service: InferenceService, token: str | None, max_body_bytes: int) -> web.Application:
+    app = web.Application(middlewares=[auth_and_errors], client_max_size=max_body_bytes)
+    app[SERVICE_KEY] = service
+    if token:
+        app[TOKEN_KEY] = token
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health_check)
+    app.router.add_get("/metrics", metrics)
+    return app

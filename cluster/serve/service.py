@@ -1,0 +1,287 @@
+"""The serving core behind both APIs (gRPC ``duet.v1`` and OpenAI-compatible HTTP).
+
+A request moves through: admission (:class:`~cluster.serve.limits.Admission`: over the cap it is refused at once)
+-> id registered (for Abort) -> prompt built on a thread (model name, image caps read from headers, chat template)
+-> :meth:`DisaggCluster.prepare` on a thread (tokenize, decode and resize images, context check) -> ``max_tokens``
+resolved against the context -> :meth:`DisaggCluster.stream` -> detokenized, stop strings applied -> zero or more
+:class:`DeltaEvent` then one :class:`FinalEvent`. Leaving early (client cancel, stop string, Abort, drain) cancels
+the cluster stream, which aborts the request on its prefill and decode workers. Errors are the typed
+:class:`~engine.errors.DuetError` subclasses; :mod:`cluster.serve.errors` maps them to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from cluster.serve.errors import (
+    DuplicateRequestIdError,
+    ModelNotFoundError,
+    ServerDrainingError,
+    classify,
+)
+from cluster.serve.expert_load import ExpertLoad, placement_summary
+from cluster.serve.limits import Admission, Limits, check_image, resolve_max_tokens
+from cluster.serve.metrics import Metrics
+from cluster.serve.schema import (
+    DeltaEvent,
+    FinalEvent,
+    GenerateInput,
+    GenerationDefaults,
+    SamplingOptions,
+)
+from cluster.serve.stop_strings import StopMatcher
+from cluster.timeline import RequestClock
+from engine import SamplingParams
+from engine.errors import DuetError, InvalidRequestError, PromptTooLongError
+from engine.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_REQUEST_ID_LEN = 128
+
+
+_ABORT = object()
+_END = object()
+
+
+class InferenceService:
+    """Serves requests on a :class:`~cluster.disagg.DisaggCluster` (which it does not own)."""
+
+    def __init__(self, cluster: Any, limits: Limits, model_name: str) -> None:
+        self.cluster = cluster
+        self.model_name = model_name
+        self.limits = limits
+        self.max_model_len = cluster.inputs.max_model_len
+        self.max_prompt_tokens = min(limits.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
+        self.max_tokens_cap = limits.max_tokens or self.max_model_len
+        self.defaults = GenerationDefaults.from_model_dir(cluster.spec.model_dir)
+        self.admission = Admission(limits.max_concurrent)
+        self.expert_load = ExpertLoad()
+        self.metrics = Metrics(self._kv_blocks, lambda: self.admission.in_flight)
+        self.draining = False
+        self.requests_served = 0
+        self._running: dict[str, asyncio.Queue] = {}
+        self._tag = secrets.token_hex(3)  # keeps client-chosen ids of two front-ends on one cluster apart
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="duet-preprocess")
+
+    # ------------------------------------------------------------------------------------------------ generate
+    async def generate(self, req: GenerateInput, *, api: str) -> AsyncIterator[DeltaEvent | FinalEvent]:
+        """Stream one request's events; raises typed errors (before any event for a bad request)."""
+        clock = RequestClock(arrival=time.monotonic())
+        outcome = "error"
+        try:
+            if self.draining:
+                raise ServerDrainingError("server is shutting down and takes no new requests")
+            self.admission.enter()
+        except DuetError as e:
+            self.metrics.requests.labels(api, classify(e).outcome).inc()
+            raise
+        rid = req.request_id or uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        registered = False
+        pump: asyncio.Task | None = None
+        try:
+            self._check_request_id(rid)
+            self._running[rid], registered = queue, True
+            loop = asyncio.get_running_loop()
+            prompt = await loop.run_in_executor(self._pool, self._build_prompt, req)
+            prepared = await loop.run_in_executor(self._pool, self.cluster.prepare, prompt)
+            clock.preprocess_s = time.monotonic() - clock.arrival
+            prompt_ids = prepared[0].token_ids
+            if len(prompt_ids) > self.max_prompt_tokens:
+                raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; this server takes at most "
+                                         f"{self.max_prompt_tokens}")
+            params = self._params(req.sampling, len(prompt_ids))
+            pump = asyncio.create_task(self._pump(prepared, params, f"{self._tag}-{rid}", queue))
+            async for event in self._events(rid, queue, prompt_ids, req.sampling.stop, clock):
+                if isinstance(event, FinalEvent):
+                    outcome = "aborted" if event.finish_reason == "abort" else "ok"
+                    self.metrics.observe_finished(event.timeline, event.prompt_tokens, event.completion_tokens)
+                    self.requests_served += 1
+                yield event
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        except Exception as e:
+            outcome = classify(e).outcome
+            raise
+        finally:
+            if pump is not None:
+                pump.cancel()  # aborts the request on its workers if it is still running
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+            if registered:
+                self._running.pop(rid, None)
+            self.admission.leave()
+            self.metrics.requests.labels(api, outcome).inc()
+
+    async def _pump(self, prepared: Any, params: SamplingParams, cluster_rid: str, queue: asyncio.Queue) -> None:
+        try:
+            async for item in self.cluster.stream(prepared, params, request_id=cluster_rid):
+                queue.put_nowait(item)
+            queue.put_nowait(_END)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait(e)
+
+    async def _events(self, rid: str, queue: asyncio.Queue, prompt_ids: list[int], stops: list[str],
+                      clock: RequestClock) -> AsyncIterator[DeltaEvent | FinalEvent]:
+        tok = self.cluster.tokenizer
+        detok = IncrementalDetokenizer(tok, prompt_ids) if tok is not None else None
+        stopper = StopMatcher(stops)
+        n_out, kv, attempts, finish = 0, None, 1, "abort"
+        while True:
+            item = await queue.get()
+            if item is _ABORT:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            if item is _END:
+                raise DuetError("the request's stream ended without finishing")
+            clock.observe(item)
+            kv, attempts = item.get("kv_transfer") or kv, item.get("attempt", attempts)
+            if item.get("expert_hist"):
+                self.expert_load.add(item["expert_hist"])
+            ids = list(item["token_ids"])
+            n_out += len(ids)
+            text = stopper.push(detok.push(ids)) if detok is not None else ""
+            done = bool(item.get("finished"))
+            if done and detok is not None and stopper.matched is None:
+                text += stopper.push(detok.finish()) + stopper.flush()
+            if ids or text:
+                yield DeltaEvent(ids, text)
+            if stopper.matched is not None:
+                finish = "stop"
+                break
+            if done:
+                finish = item.get("finish_reason") or "stop"
+                break
+        timeline = {**clock.timeline(kv, attempts=attempts), "kv_transfer": kv or {}}
+        yield FinalEvent(rid, finish, stopper.matched or "", len(prompt_ids), n_out, timeline)
+
+    # ------------------------------------------------------------------------------------------- validation
+    def _check_request_id(self, rid: str) -> None:
+        if len(rid) > MAX_REQUEST_ID_LEN or not rid.isprintable():
+            raise InvalidRequestError(f"request_id must be at most {MAX_REQUEST_ID_LEN} printable characters")
+        if rid in self._running:
+            raise DuplicateRequestIdError(f"a request with id {rid!r} is already running")
+
+    def _build_prompt(self, req: GenerateInput) -> dict:
+        """The engine's prompt dict (runs on a thread: applies the chat template, reads image headers)."""
+        if req.model and req.model != self.model_name:
+            raise ModelNotFoundError(f"model {req.model!r} is not served here (this server serves "
+                                     f"{self.model_name!r})")
+        if len(req.images) > self.limits.max_images:
+            raise InvalidRequestError(f"{len(req.images)} images is over the limit of {self.limits.max_images}")
+        images = [check_image(im.data, im.mime_type, self.limits, i) for i, im in enumerate(req.images)]
+        if req.prompt_token_ids is not None:
+            prompt: dict = {"prompt_token_ids": list(req.prompt_token_ids)}
+        elif req.messages is not None:
+            prompt = {"prompt": self._render_chat(req.messages)}
+        else:
+            text = req.prompt or ""
+            if not text.strip():
+                raise InvalidRequestError("the prompt is empty")
+            tok = self.cluster.tokenizer
+            if not req.raw_prompt and tok is not None:
+                text = tok.apply_chat_template([{"role": "user", "content": text}]) or text
+            prompt = {"prompt": text}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        return prompt
+
+    def _render_chat(self, messages: list[dict]) -> str:
+        if not messages:
+            raise InvalidRequestError("messages is empty")
+        for i, m in enumerate(messages):
+            if m.get("role") not in CHAT_ROLES:
+                raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                          f"got {m.get('role')!r}")
+            if not isinstance(m.get("content"), str):
+                raise InvalidRequestError(f"messages[{i}].content must be text")
+        if not any(m["content"].strip() for m in messages):
+            raise InvalidRequestError("the prompt is empty")
+        tok = self.cluster.tokenizer
+        text = tok.apply_chat_template(messages) if tok is not None else None
+        if text is None:
+            raise InvalidRequestError("this model has no chat template; send a raw prompt (/v1/completions, or "
+                                      "prompt with raw_prompt)")
+        return text
+
+    def _params(self, s: SamplingOptions, prompt_tokens: int) -> SamplingParams:
+        d = self.defaults
+        for name in ("temperature", "top_p"):
+            v = getattr(s, name)
+            if v is not None and not math.isfinite(v):
+                raise InvalidRequestError(f"{name} must be a finite number, got {v}")
+        max_tokens = resolve_max_tokens(s.max_tokens, d.max_tokens, prompt_tokens, self.max_model_len,
+                                        self.max_tokens_cap)
+        return SamplingParams(
+            temperature=d.temperature if s.temperature is None else s.temperature,
+            top_p=d.top_p if s.top_p is None else s.top_p,
+            top_k=d.top_k if s.top_k is None else s.top_k,
+            max_tokens=max_tokens, min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos, seed=s.seed)
+
+    # ------------------------------------------------------------------------------------------- the rest
+    def abort(self, request_id: str) -> bool:
+        queue = self._running.get(request_id)
+        if queue is None:
+            return False
+        queue.put_nowait(_ABORT)
+        return True
+
+    def model_info(self) -> dict:
+        cfg = self.cluster.inputs.cfg
+        arch = cfg.text.model_type if cfg.vision is None else f"llava/{cfg.text.model_type}"
+        return {"id": self.model_name, "architecture": arch, "max_model_len": self.max_model_len,
+                "max_prompt_tokens": self.max_prompt_tokens, "max_tokens": self.max_tokens_cap,
+                "vision": cfg.vision is not None, "tokens_per_image": cfg.tokens_per_image if cfg.vision else 0,
+                "max_image_bytes": self.limits.max_image_bytes, "max_image_pixels": self.limits.max_image_pixels,
+                "max_images": self.limits.max_images}
+
+    async def status(self) -> dict:
+        workers = await asyncio.get_running_loop().run_in_executor(None, self.cluster.status)
+        decode = [w for w in workers if w["role"] == "decode" and w["alive"]]
+        total = sum(w["total_blocks"] for w in decode)
+        used = sum(w["total_blocks"] - w.get("free_blocks", 0) for w in decode)
+        return {"model": self.model_name, "transport": self.cluster.spec.transport, "workers": workers,
+                "in_flight": self.admission.in_flight, "max_concurrent": self.admission.limit,
+                "kv_usage": used / total if total else 0.0,
+                "experts": {**self.expert_load.summary(), "placement": placement_summary(decode)},
+                "requests_served": self.requests_served, "draining": self.draining}
+
+    def healthy(self) -> bool:
+        return not self.draining and any(w.load.alive for w in self.cluster.decodes) and \
+            any(w.load.alive for w in self.cluster.prefills)
+
+    async def drain(self, timeout_s: float, force: asyncio.Event | None = None) -> None:
+        """Refuse new requests, let in-flight ones finish for up to ``timeout_s`` (or until ``force`` is set), then
+        abort the rest."""
+        self.draining = True
+        end = time.monotonic() + timeout_s
+        while self.admission.in_flight and time.monotonic() < end and not (force and force.is_set()):
+            await asyncio.sleep(0.05)
+        if self.admission.in_flight:
+            logger.warning("aborting %d request(s) still running after %.0f s", self.admission.in_flight, timeout_s)
+            for queue in list(self._running.values()):
+                queue.put_nowait(_ABORT)
+            end = time.monotonic() + 5.0
+            while self.admission.in_flight and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _kv_blocks(self):
+        for w in self.cluster.decodes:
+            yield w.load.worker_id, w.load.free_blocks, self.cluster.total_blocks.get(w.load.worker_id, 0)
