@@ -30,18 +30,28 @@ class LocalPair:
         self._ids = itertools.count()
 
     def generate(self, prompts: list[Any], params: SamplingParams | list[SamplingParams], *,
-                 timeout_s: float = 600.0) -> tuple[list[RequestOutput | None], dict[str, str]]:
+                 timeout_s: float = 600.0, window: int | None = None
+                 ) -> tuple[list[RequestOutput | None], dict[str, str]]:
         """Run ``prompts`` to completion; returns the final outputs (None for a failed request, in order) and the
-        failures (request id -> reason). Requests are admitted together, so the decode side batches them."""
+        failures (request id -> reason).
+
+        At most ``window`` requests (default: twice the prefill engine's ``max_num_seqs``) are between allocation
+        and their first decoded token at a time, as a front-end would pace them: a lease's deadline runs from its
+        allocation, so a request must not sit in a long prefill queue holding one."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        window = window or 2 * self.prefill.engine.config.max_num_seqs
         rids = [f"pair-{next(self._ids)}" for _ in prompts]
-        for rid, p, sp in zip(rids, prompts, plist, strict=True):
-            lease = self.decode.allocate(rid, p, sp)
-            self.prefill.submit(rid, p, sp, self.prefill_manager.sender(lease, codec=self.prefill.codec))
+        todo = list(zip(rids, prompts, plist, strict=True))[::-1]
+        in_prefill: set[str] = set()
         final: dict[str, RequestOutput] = {}
         failed: dict[str, str] = {}
         deadline = time.monotonic() + timeout_s
-        while self.prefill.has_work() or self.decode.has_work():
+        while todo or self.prefill.has_work() or self.decode.has_work():
+            while todo and len(in_prefill) < window:
+                rid, p, sp = todo.pop()
+                lease = self.decode.allocate(rid, p, sp)
+                self.prefill.submit(rid, p, sp, self.prefill_manager.sender(lease, codec=self.prefill.codec))
+                in_prefill.add(rid)
             if time.monotonic() > deadline:
                 for rid in rids:
                     self.prefill.abort(rid, "timeout")
@@ -50,7 +60,9 @@ class LocalPair:
             self.prefill.step()
             report = self.decode.step()
             failed.update(report.failed)
+            in_prefill.difference_update(report.failed)
             for out in report.outputs:
+                in_prefill.discard(out.request_id)
                 if out.finished:
                     final[out.request_id] = out
             if not self.prefill.has_work() and self.decode.receivers:
