@@ -85,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.bench.experts_bench import add_arguments as add_experts_arguments
 
     add_experts_arguments(bsub.add_parser("experts", help="expert placement balancedness, migration and pre-warm"))
+    from cluster.bench.serve_bench import add_arguments as add_serve_bench_arguments
+
+    add_serve_bench_arguments(bsub.add_parser("serve", help="open-loop serving: colocated engine vs disaggregated"))
+    from cluster.plan_cmd import add_arguments as add_plan_arguments
+
+    add_plan_arguments(sub.add_parser("plan", help="size prefill/decode pools for a workload (simulation)"))
+    from cluster.status_cmd import add_arguments as add_status_arguments
+
+    add_status_arguments(sub.add_parser("status", help="cluster table of a running `duet serve`"))
     from cluster.serve.cli import add_arguments as add_serve_arguments
     from duet_client.cli import add_arguments as add_client_arguments
 
@@ -120,6 +129,18 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench.experts_bench import run as run_experts
 
             return run_experts(args)
+        if args.command == "bench" and args.bench == "serve":
+            from cluster.bench.serve_bench import run as run_serve_bench
+
+            return run_serve_bench(args)
+        if args.command == "plan":
+            from cluster.plan_cmd import run as run_plan
+
+            return run_plan(args)
+        if args.command == "status":
+            from cluster.status_cmd import run as run_status
+
+            return run_status(args)
         if args.command == "serve":
             from cluster.serve.cli import run as run_serve
 

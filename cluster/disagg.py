@@ -28,7 +28,7 @@ from cluster.spec import ClusterSpec
 from cluster.timeline import RequestClock
 from engine import SamplingParams
 from engine.config import DTYPES, ModelConfig
-from engine.errors import DuetError, OutOfBlocksError
+from engine.errors import DuetError, InvalidRequestError, OutOfBlocksError
 from engine.image_processor import ImageProcessor, load_image
 from engine.inputs import InputProcessor
 from engine.tokenizer import Tokenizer
@@ -48,6 +48,7 @@ class RequestTimeoutError(DuetError):
 class _Worker:
     load: WorkerLoad
     actor: Any
+    inflight: int = 0  # requests placed on this worker and not yet finished (a drain waits for 0)
 
 
 @dataclass
@@ -84,17 +85,12 @@ class DisaggCluster:
                                                  vision_model_type=cfg.vision.model_type) if cfg.vision else None)
         self.tokenizer = tok
         self.inputs = InputProcessor(cfg, tok, improc, spec.max_model_len or min(cfg.text.max_position_embeddings, 4096))
-        opts = dict(num_cpus=spec.cpus_per_worker, num_gpus=spec.gpus_per_worker, max_concurrency=16)
-        threads = max(1, int(spec.cpus_per_worker))
-        compression = spec.compression_policy()
-        self.prefills = [_Worker(WorkerLoad(f"prefill-{i}"), ray.remote(PrefillActor).options(**opts).remote(
-            f"prefill-{i}", spec.model_dir, spec.engine_config("prefill"), spec.transport, num_threads=threads,
-            stream_layers=spec.stream_layers, compression=compression)) for i in range(spec.num_prefill)]
+        self._actor_cls = {"prefill": PrefillActor, "decode": DecodeActor}
+        self._next_index = {"prefill": spec.num_prefill, "decode": spec.num_decode}
+        self._draining: dict[str, Any] = {}  # worker id -> concurrent future of its drain (see drain_worker)
+        self.prefills = [self._spawn("prefill", f"prefill-{i}") for i in range(spec.num_prefill)]
         ep_configs = expert_router.worker_configs(spec, cfg.text)
-        self.decodes = [_Worker(WorkerLoad(f"decode-{i}"), ray.remote(DecodeActor).options(**opts).remote(
-            f"decode-{i}", spec.model_dir, spec.engine_config("decode"), spec.transport, num_threads=threads,
-            lease_base_s=spec.lease_base_s, lease_min_rate_bps=spec.lease_min_rate_bps, compression=compression,
-            expert_parallel=ep_configs[i], expert_tiers=spec.tier_config())) for i in range(spec.num_decode)]
+        self.decodes = [self._spawn("decode", f"decode-{i}", ep_configs[i]) for i in range(spec.num_decode)]
         ray.get([w.actor.ping.remote() for w in self.prefills + self.decodes], timeout=300)
         # expert-parallel decode groups (none when spec.expert_parallel == 1): formed before any request arrives
         try:
@@ -116,6 +112,7 @@ class DisaggCluster:
         self._thread = threading.Thread(target=self._loop.run_forever, name="duet-frontend", daemon=True)
         self._thread.start()
         self._pollers = [asyncio.run_coroutine_threadsafe(self._poll(w), self._loop) for w in self.decodes]
+        self._poller_of = {w.load.worker_id: f for w, f in zip(self.decodes, self._pollers, strict=True)}
 
     # -------------------------------------------------------------------------------------------------- public API
     async def generate(self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None
@@ -193,6 +190,95 @@ class DisaggCluster:
                 row["total_blocks"] = self.total_blocks.get(w.load.worker_id, 0)
             out.append(row)
         return out
+
+    # ------------------------------------------------------------------------------- pool hooks (cluster.autoscale)
+    def pool_sizes(self) -> dict[str, int]:
+        """Live workers per role that take new requests (draining ones excluded)."""
+        return {role: sum(w.load.alive and w.load.worker_id not in self._draining for w in ws)
+                for role, ws in (("prefill", self.prefills), ("decode", self.decodes))}
+
+    def add_worker(self, role: str) -> str:
+        """Start one more ``role`` worker (blocks until it answers, up to 300 s) and route to it; returns its id.
+        Its Ray resource request (``spec.actor_options(role)``) is what makes the Ray autoscaler add a node of the
+        pool when none has room. Not with expert-parallel decode groups (their membership is fixed)."""
+        import ray
+
+        self._check_resizable(role)
+        worker_id = f"{role}-{self._next_index[role]}"
+        self._next_index[role] += 1
+        w = self._spawn(role, worker_id)
+        ray.get(w.actor.ping.remote(), timeout=300)
+        if role == "decode":
+            w.load.free_blocks = messages.unpack(ray.get(w.actor.stats.remote(), timeout=30))["free_blocks"]
+            self.total_blocks[worker_id] = w.load.free_blocks
+            self.decodes.append(w)
+            self._pollers.append(asyncio.run_coroutine_threadsafe(self._poll(w), self._loop))
+            self._poller_of[worker_id] = self._pollers[-1]
+        else:
+            self.prefills.append(w)
+        return worker_id
+
+    def drain_worker(self, role: str, worker_id: str | None = None) -> str:
+        """Stop routing new requests to one ``role`` worker (``worker_id``, else the least loaded), let its running
+        requests finish, then shut it down and remove it. Returns the worker's id at once; :meth:`wait_drained`
+        waits for the removal. The pool keeps at least one worker taking requests."""
+        self._check_resizable(role)
+        pool = self.prefills if role == "prefill" else self.decodes
+        open_ = [w for w in pool if w.load.alive and w.load.worker_id not in self._draining]
+        if len(open_) < 2:
+            raise InvalidRequestError(f"cannot drain the last {role} worker")
+        if worker_id is None:
+            key = (lambda w: w.load.outstanding_tokens) if role == "prefill" else (lambda w: -w.load.free_blocks)
+            w = min(open_, key=key)
+        else:
+            w = next((x for x in open_ if x.load.worker_id == worker_id), None)
+            if w is None:
+                raise InvalidRequestError(f"no {role} worker {worker_id} taking requests")
+        self._draining[w.load.worker_id] = asyncio.run_coroutine_threadsafe(self._drain(w, pool), self._loop)
+        return w.load.worker_id
+
+    def wait_drained(self, worker_id: str, timeout_s: float | None = None) -> None:
+        """Block until :meth:`drain_worker`'s worker is removed."""
+        self._draining[worker_id].result(timeout=timeout_s)
+
+    def _check_resizable(self, role: str) -> None:
+        if role not in ("prefill", "decode"):
+            raise InvalidRequestError(f"role must be prefill or decode, got {role!r}")
+        if role == "decode" and self.expert_routers:
+            raise InvalidRequestError("decode pools in expert-parallel groups cannot be resized yet")
+
+    async def _drain(self, w: _Worker, pool: list[_Worker]) -> None:
+        import ray
+
+        wid = w.load.worker_id
+        while w.inflight:  # no new request is placed on it (routing skips draining workers); running ones finish
+            await asyncio.sleep(0.05)
+        w.load.alive = False
+        poller = self._poller_of.pop(wid, None)
+        if poller is not None:  # let it finish its current poll (<= 50 ms) rather than see the actor die
+            await asyncio.wait_for(asyncio.wrap_future(poller), timeout=30)
+        try:
+            await asyncio.wait_for(_aref(w.actor.shutdown.remote()), timeout=10)
+        except Exception as e:  # noqa: BLE001 - already gone; the kill below makes sure
+            logger.debug("shutdown of %s: %s", wid, e)
+        ray.kill(w.actor)
+        pool.remove(w)
+        self.total_blocks.pop(wid, None)
+        logger.info("drained and removed %s", wid)
+
+    def _spawn(self, role: str, worker_id: str, expert_parallel: Any = None) -> _Worker:
+        import ray
+
+        spec = self.spec
+        common = {"num_threads": max(1, int(spec.cpus_per_worker)), "compression": spec.compression_policy()}
+        if role == "prefill":
+            extra = {"stream_layers": spec.stream_layers}
+        else:
+            extra = {"lease_base_s": spec.lease_base_s, "lease_min_rate_bps": spec.lease_min_rate_bps,
+                     "expert_parallel": expert_parallel, "expert_tiers": spec.tier_config()}
+        actor = ray.remote(self._actor_cls[role]).options(**spec.actor_options(role), max_concurrency=16).remote(
+            worker_id, spec.model_dir, spec.engine_config(role), spec.transport, **common, **extra)
+        return _Worker(WorkerLoad(worker_id), actor)
 
     def _prepare(self, prompt: Any) -> tuple[Any, dict]:
         """Validate and tokenize once; returns the processed prompt and its wire form (ids + PNG images)."""
@@ -343,8 +429,8 @@ class DisaggCluster:
                        exclude_p: frozenset[str], deadline: float) -> AsyncIterator[dict]:
         blocks = -(-len(p.token_ids) // self.spec.block_size)
         decode = self._pick_decode(blocks, exclude_d)
-        prefill = pick_prefill([w.load for w in self.prefills], exclude=exclude_p) or \
-            pick_prefill([w.load for w in self.prefills])
+        loads = [w.load for w in self.prefills if w.load.worker_id not in self._draining]
+        prefill = pick_prefill(loads, exclude=exclude_p) or pick_prefill(loads)
         if prefill is None:
             raise TransferFailedError("no live prefill worker")
         pw = next(w for w in self.prefills if w.load is prefill)
@@ -353,6 +439,8 @@ class DisaggCluster:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         self._owner[rid] = decode.load.worker_id
+        decode.inflight += 1
+        pw.inflight += 1
         body = dict(request_id=rid, prompt=wire, params=messages.params_to_dict(params))
         where = {"decode": decode.load.worker_id, "prefill": prefill.worker_id}
         try:
@@ -400,10 +488,12 @@ class DisaggCluster:
         finally:
             self._queues.pop(rid, None)
             self._owner.pop(rid, None)
+            decode.inflight -= 1
+            pw.inflight -= 1
 
     def _pick_decode(self, blocks: int, exclude: frozenset[str]) -> _Worker:
-        load = pick_decode([w.load for w in self.decodes], blocks, exclude=exclude) or \
-            pick_decode([w.load for w in self.decodes], blocks)
+        loads = [w.load for w in self.decodes if w.load.worker_id not in self._draining]
+        load = pick_decode(loads, blocks, exclude=exclude) or pick_decode(loads, blocks)
         if load is None:
             raise OutOfBlocksError(f"no live decode worker has {blocks} free KV blocks")
         return next(w for w in self.decodes if w.load is load)

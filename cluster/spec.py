@@ -48,6 +48,10 @@ class ClusterSpec:
     expert_resident: float | int | None = None
     expert_cache_policy: str = "duet"
     extra_engine: dict = field(default_factory=dict)
+    # Ray custom resources each worker of a pool asks for, placing it on that pool's nodes (deploy/ray/*.yaml mark
+    # prefill and decode GPU nodes with duet_prefill / duet_decode); None: any node with the CPUs/GPUs
+    prefill_resources: dict | None = None
+    decode_resources: dict | None = None
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir, "config.json").is_file():
@@ -67,6 +71,7 @@ class ClusterSpec:
         self.compression_policy()  # raises on a bad policy
         self._check_expert_parallel(cfg.text)
         self._check_expert_tiers(cfg.text)
+        self._check_resources()
 
     def _check_expert_parallel(self, text: TextConfig) -> None:
         ep, slots = self.expert_parallel, self.expert_slots_per_worker
@@ -103,6 +108,28 @@ class ClusterSpec:
             raise InvalidRequestError("expert_resident (tiered expert memory) is not supported with expert_parallel "
                                       "> 1 yet")
         TierConfig(**self.tier_config()).capacity(sum(text.moe_layers), text.num_experts)  # a count above E raises
+
+    def _check_resources(self) -> None:
+        for name in ("prefill_resources", "decode_resources"):
+            res = getattr(self, name)
+            if res is None:
+                continue
+            if not isinstance(res, dict):
+                raise InvalidRequestError(f"{name} must be a mapping of Ray resource name -> amount, got {res!r}")
+            for key, amount in res.items():
+                if not isinstance(key, str) or not key:
+                    raise InvalidRequestError(f"{name}: resource names must be non-empty strings, got {key!r}")
+                if key in ("CPU", "GPU", "memory", "object_store_memory"):
+                    raise InvalidRequestError(f"{name}: {key} is set by cpus_per_worker / gpus_per_worker, not here")
+                if isinstance(amount, bool) or not isinstance(amount, int | float) or amount <= 0:
+                    raise InvalidRequestError(f"{name}.{key} must be a positive number, got {amount!r}")
+
+    def actor_options(self, role: str) -> dict:
+        """Ray ``.options()`` for a worker of ``role`` ("prefill" or "decode"): CPUs, GPUs and the pool's custom
+        resources."""
+        res = self.prefill_resources if role == "prefill" else self.decode_resources
+        return dict(num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker, **({"resources": dict(res)} if res
+                                                                                      else {}))
 
     def tier_config(self) -> dict | None:
         """The decode workers' :class:`decode_node.expert_tiers.TierConfig` as a dict (None: all experts resident).

@@ -1,37 +1,44 @@
 """Tiered expert memory for a decode worker: a bounded set of experts on the device, the rest in host memory, with
 pre-warming from routing hints, the load forecast and a one-layer look-ahead.
 
-Installed as every MoE layer's :attr:`engine.moe.SparseMoe.executor` (the module's own expert tensors are moved to
-the host tier and dropped from the module). Results are bit-identical to the all-resident engine: the same (token,
-expert) rows form the same groups of the same grouped GEMM, with the same weights, and are combined in the
-engine's order.
+Installed as every MoE layer's :attr:`engine.moe.SparseMoe.executor` (the module's own expert tensors move to the
+host tier and leave the module). Results are bit-identical to the all-resident engine: the (token, expert) pairs are
+sorted as the engine sorts them, each expert's rows are one GEMM with the same weights (now read from a slot), and
+the combine adds in the engine's order.
 
 Memory: host tier ``[E, 2I, H]`` / ``[E, H, I]`` per MoE layer (pinned when the device is CUDA; on a CPU device a
-separate buffer, so every load is a real ``copy_``); device tier one slot buffer of ``capacity x pools + E`` experts
-(the pools, see :class:`TierConfig`, plus ``E`` scratch slots for one layer's stalled loads; see
-:mod:`decode_node.expert_residency`).
+separate buffer, so every load is a real ``copy_``); device tier one slot buffer of ``capacity x pools + E`` experts:
+the pools (:class:`TierConfig`; one pool for all layers by default, the simulation's ``scope="global"``) plus ``E``
+scratch slots for one layer's stalled loads (:mod:`decode_node.expert_residency`).
 
 Per MoE layer (the executor, on the decode loop's thread):
 
-1. Experts the layer needs that are resident are hits; ones a background copy is still writing are waited for
-   (stalled, "late"); the rest are copied on demand into scratch slots (stalled). Both count as stalled loads and
-   their wait is timed.
-2. Look-ahead: layer ``l+1``'s router is applied to this layer's MoE input (one ``[T, H] x [H, E]`` matmul; an
-   approximation of the input layer ``l+1`` will see) and the policy's :meth:`lookahead` copies start now, protected
-   until layer ``l+1`` ran. During the last MoE layer the policy's pre-warm list for the next step is queued.
+1. Experts the layer needs that are resident are hits; ones the copier is still writing are waited for ("late"); the
+   rest are copied on demand into scratch slots. Late and on-demand experts are stalled loads; their wait is timed.
+2. Look-ahead (``duet``): layer ``l+1``'s router is applied to this layer's MoE input (one ``[T, H] x [H, E]``
+   matmul; an approximation of the input layer ``l+1`` will see) and those experts are copied now, pinned until
+   layer ``l+1`` ran. During the last MoE layer the policy's pre-warm list for the next step goes out.
 3. The layer runs from the slots; the policy observes its counts; stalled loads are kept if admitted.
 
-Requests' routing hints arrive through :meth:`ExpertTiers.on_requests` when their KV transfer commits (and departures
-when they finish); the policy's pre-warm list is queued at once, due at the next step. Background copies run on one
-copier thread (on CUDA: on a copy stream, after the evicted slot's last reader finished), earliest deadline first.
+Requests' routing hints arrive through :meth:`ExpertTiers.on_requests` when their KV transfer commits (departures
+when they finish); the policy's pre-warm list for the next step is queued at once. Queued copies go, earliest
+deadline first and at most ``max_inflight`` at a time (:meth:`Residency.take_copies` picks their slots then), to
+one copier thread that runs them in that order (on CUDA on a copy stream, after the evicted slot's last reader
+finished). When a layer starts, its experts still queued are copied on demand; those handed to the copier are
+waited for ("late"), not redone.
 
 The policy call contract, the time model (layer-times ``step x L + layer`` over MoE layers) and the counting are
-those of :mod:`cluster.expert_cache`, with one addition: a stalled load that waited for an in-flight pre-warm copy
-("late") is a stalled load whose bytes were counted once, as a prefetch.
+those of :mod:`cluster.expert_cache`, with one difference: a late copy is a stalled load whose bytes count once, as
+a prefetch. ``hits`` / ``hit_rate`` count (token, expert) assignments; ``expert_hits + stalled_loads = accesses``,
+one access per (layer run, needed expert).
+
+Not supported: expert-parallel workers (their slots live in :mod:`decode_node.expert_shard`); bf16 on CUDA is
+correct but not bit-identical to the engine's native grouped GEMM (this executor runs one GEMM per expert).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -42,12 +49,13 @@ from torch import nn
 
 from cluster.expert_cache import capacity_for, make_policy
 from cluster.expert_policies import CachePolicy
-from decode_node.expert_residency import Key, Residency, SlotState
+from decode_node.expert_residency import Acquired, Key, Residency
 from engine import LLMEngine
 from engine.errors import InvalidRequestError
-from engine.moe import SparseMoe, grouped_mm
+from engine.moe import SparseMoe
 
-TIER_POLICIES = ("lru", "duet")
+LOOKAHEAD = {"lru": False, "duet": True}  # policy -> whether it wants the next layer's router applied early
+TIER_POLICIES = tuple(LOOKAHEAD)
 TIER_SCOPES = ("global", "layer")
 
 
@@ -56,11 +64,17 @@ class TierConfig:
     """``resident``: a fraction in (0, 1] (float) or a count >= 1 (int) of each MoE layer's experts kept on the
     device. ``scope="global"`` (the default, as :func:`cluster.expert_cache.simulate`'s): one pool of that many
     experts x MoE layers, shared by all layers; ``"layer"``: that many per layer. ``policy``: ``"lru"`` (on demand,
-    least recently used out) or ``"duet"`` (pre-warm and look-ahead, lowest forecast out)."""
+    least recently used out) or ``"duet"`` (pre-warm and look-ahead, lowest forecast out). ``max_inflight``: copies
+    handed to the copier at once (the rest wait in the queue, where a copy whose layer ran is dropped and a slot is
+    picked only when the copy starts); the loop tops it up at each layer's start and end. ``copy_s`` > 0 makes every
+    expert copy last at least that long (sleeping, so the copier overlaps the decode loop as a DMA engine would):
+    benchmarks on a CPU device use it to emulate a host link as slow, relative to a layer, as a GPU's PCIe is."""
 
     resident: float | int
     policy: str = "duet"
     scope: str = "global"
+    max_inflight: int = 4
+    copy_s: float = 0.0
 
     def __post_init__(self) -> None:
         r = self.resident
@@ -75,6 +89,9 @@ class TierConfig:
                                       f"{', '.join(TIER_POLICIES)})")
         if self.scope not in TIER_SCOPES:
             raise InvalidRequestError(f"expert cache scope must be one of {TIER_SCOPES}, got {self.scope!r}")
+        if self.copy_s < 0 or self.max_inflight < 1:
+            raise InvalidRequestError(f"copy_s must be >= 0 and max_inflight >= 1, got {self.copy_s}, "
+                                      f"{self.max_inflight}")
 
     def capacity(self, num_layers: int, num_experts: int) -> int:
         """Slots per pool: the simulation's ``capacity_for`` for a fraction; ``count`` (x layers, global) for a
@@ -112,8 +129,13 @@ class TierStats:
 
 
 class ExpertTiers:
-    """Install with ``ExpertTiers(engine, config)`` (before serving); :meth:`close` stops the copier thread.
-    ``policy`` overrides the one ``config.policy`` names (tests)."""
+    """Install with ``ExpertTiers(engine, config)`` before serving; :meth:`close` stops the copier thread.
+    ``policy`` overrides the one ``config.policy`` names (tests).
+
+    Threading: every method, and the executor, runs on the decode loop's thread (or under the decode actor's lock,
+    which the loop holds while it steps), which owns the bookkeeping (:class:`~decode_node.expert_residency.Residency`,
+    the policy, the counters); the copier thread only moves the bytes of copies handed to it, and reports each
+    finished key back through a queue."""
 
     def __init__(self, engine: LLMEngine, config: TierConfig, *, policy: CachePolicy | None = None) -> None:
         layers = engine.model.text.layers
@@ -130,11 +152,13 @@ class ExpertTiers:
                              per_layer=config.scope == "layer")
         self.stats = TierStats()
         self.cuda = self.device.type == "cuda"
+        self.lookahead = LOOKAHEAD[config.policy]
         self._move_weights()
-        self.cond = threading.Condition()
         self._step, self._last_li = -1, self.L
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (key, slot, CUDA event to wait for) or None: stop
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # keys copied
+        self._inflight = 0
         self._copier: threading.Thread | None = None
-        self._stopped = False
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._last_use: dict[int, torch.cuda.Event] = {}  # slot -> event after its last reading layer (CUDA)
         for li, moe in enumerate(self.moes):
@@ -142,8 +166,7 @@ class ExpertTiers:
 
     @torch.no_grad()
     def _move_weights(self) -> None:
-        m = self.moes[0]
-        self.act = m.act
+        self.act = self.moes[0].act
         self.host_gu, self.host_down = [], []
         for moe in self.moes:
             gu, down = moe.gate_up_proj.detach().to("cpu"), moe.down_proj.detach().to("cpu")
@@ -158,6 +181,9 @@ class ExpertTiers:
         self.dev_gu = torch.empty(n, *self.host_gu[0].shape[1:], dtype=self.host_gu[0].dtype, device=self.device)
         self.dev_down = torch.empty(n, *self.host_down[0].shape[1:], dtype=self.host_down[0].dtype, device=self.device)
         self.bytes_per_expert = (self.host_gu[0][0].numel() + self.host_down[0][0].numel()) * self.dev_gu.element_size()
+        # per-slot and per-expert views, made once: the copier indexes nothing
+        self._dst = [(self.dev_gu[s], self.dev_down[s]) for s in range(n)]
+        self._src = [[(gu[e], down[e]) for e in range(self.E)] for gu, down in zip(self.host_gu, self.host_down)]
 
     @property
     def capacity(self) -> int:
@@ -166,19 +192,21 @@ class ExpertTiers:
     # --------------------------------------------------------------------------------------- hints and pre-warm
     def on_requests(self, arrivals: list[tuple[str, np.ndarray | list]], departures: list[str]) -> None:
         """Requests joining the next step, each with its prefill routing histogram ``[decoder layers, E]`` (the
-        worker calls this when a transfer commits), and ids that left. Queues the policy's pre-warm list."""
+        worker calls this when a transfer commits), and ids that left. Issues the policy's pre-warm list."""
         hints = [(rid, np.asarray(h, dtype=np.int64)[self.moe_layers]) for rid, h in arrivals]
-        with self.cond:
-            self.policy.on_requests(hints, departures)
-            self._queue_prewarm()
+        self.policy.on_requests(hints, departures)
+        self.res.invalidate_scores()
+        self._queue_prewarm()
 
     def prefetch(self, keys: list[Key], *, certain: bool = True) -> None:
-        """Queue copies of ``(moe layer, expert)`` keys for the next step (a pre-warm list sent from outside)."""
-        with self.cond:
-            start = self._next_step_start()
-            for layer, e in keys:
-                self.res.enqueue([(layer, e)], start + layer, certain=certain)
-            self._wake()
+        """Copy ``(moe layer, expert)`` keys before the next step (a pre-warm list from outside the policy);
+        ``certain`` ones, copied or already resident, also stay until their layer ran."""
+        start = self._next_step_start()
+        for layer, e in keys:
+            self.res.enqueue([(layer, e)], start + layer, certain=certain)
+            if certain:
+                self.res.pin([(layer, e)], start + layer)
+        self._issue()
 
     def _next_step_start(self) -> int:
         now = self.policy.now
@@ -188,73 +216,75 @@ class ExpertTiers:
         start = self._next_step_start()
         for layer, e in self.policy.prefetch_list():
             self.res.enqueue([(layer, e)], start + layer, certain=False)
-        self._wake()
+        self._issue()
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
-        """Tests and tools: wait until no copy is queued or running."""
+        """Tests and tools: wait until every queued copy finished (or was dropped)."""
         end = time.monotonic() + timeout_s
-        with self.cond:
-            while self.res.queue or self._loading():
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self.cond.wait(left)
+        try:
+            while self._inflight or self.res.queue:
+                self._issue()
+                if self._inflight:
+                    self._complete(self._done.get(timeout=max(1e-3, end - time.monotonic())))
+        except queue.Empty:
+            return False
         return True
 
     def close(self) -> None:
-        with self.cond:
-            self._stopped = True
-            self.cond.notify_all()
         if self._copier is not None:
+            self._jobs.put(None)
             self._copier.join(timeout=5)
+            self._copier = None
 
     def summary(self) -> dict:
-        """msgpack-able stats: the counters, ``hit_rate``, capacity, policy and scope, resident experts now."""
-        with self.cond:
-            return {**self.stats.to_dict(), "capacity": self.capacity, "policy": self.config.policy,
-                    "scope": self.config.scope, "resident_now": len(self.res.resident()),
-                    "bytes_per_expert": self.bytes_per_expert}
+        """msgpack-able: the counters, ``hit_rate``, capacity, policy and scope, experts resident now."""
+        return {**self.stats.to_dict(), "capacity": self.capacity, "policy": self.config.policy,
+                "scope": self.config.scope, "resident_now": len(self.res.resident()),
+                "bytes_per_expert": self.bytes_per_expert}
 
     # ------------------------------------------------------------------------------------------------- copier
-    def _wake(self) -> None:
-        if self.res.queue and self._copier is None:
-            self._copier = threading.Thread(target=self._copy_loop, name="expert-copier", daemon=True)
-            self._copier.start()
-        self.cond.notify_all()
+    def _issue(self) -> None:
+        """Hand every queued copy that can be placed to the copier, earliest deadline first."""
+        for job in self.res.take_copies(self.config.max_inflight - self._inflight):
+            if self._copier is None:
+                self._copier = threading.Thread(target=self._copy_loop, name="expert-copier", daemon=True)
+                self._copier.start()
+            self._jobs.put((*job, self._last_use.get(job[1])))
+            self._inflight += 1
 
-    def _loading(self) -> bool:
-        return SlotState.LOADING in self.res.state
+    def _reap(self) -> None:
+        while not self._done.empty():
+            self._complete(self._done.get_nowait())
+
+    def _complete(self, key: Key) -> None:
+        self.res.loaded(key)
+        self._inflight -= 1
+        self.stats.prefetches += 1
+        self.stats.bytes_copied += self.bytes_per_expert
 
     def _copy_loop(self) -> None:
         with torch.no_grad():
-            while True:
-                with self.cond:
-                    job = None
-                    while not self._stopped and (job := self.res.next_copy()) is None:
-                        self.cond.wait()
-                    if self._stopped:
-                        return
-                    wait = self._last_use.get(job[1])
-                self._copy(*job, stream=self._copy_stream, after=wait)
-                with self.cond:
-                    self.res.loaded(job[0])
-                    self.stats.prefetches += 1
-                    self.stats.bytes_copied += self.bytes_per_expert
-                    self.cond.notify_all()
+            while (job := self._jobs.get()) is not None:
+                key, slot, after = job
+                self._copy(key, slot, stream=self._copy_stream, after=after)
+                self._done.put(key)
 
     def _copy(self, key: Key, slot: int, *, stream: torch.cuda.Stream | None = None,
               after: torch.cuda.Event | None = None) -> None:
-        layer, e = key
+        (dst_gu, dst_down), (src_gu, src_down) = self._dst[slot], self._src[key[0]][key[1]]
+        t0 = time.perf_counter()
         if stream is None:
-            self.dev_gu[slot].copy_(self.host_gu[layer][e], non_blocking=self.cuda)
-            self.dev_down[slot].copy_(self.host_down[layer][e], non_blocking=self.cuda)
-            return
-        with torch.cuda.stream(stream):
-            if after is not None:
-                stream.wait_event(after)  # the evicted expert's last reader has finished
-            self.dev_gu[slot].copy_(self.host_gu[layer][e], non_blocking=True)
-            self.dev_down[slot].copy_(self.host_down[layer][e], non_blocking=True)
-        stream.synchronize()
+            dst_gu.copy_(src_gu, non_blocking=self.cuda)
+            dst_down.copy_(src_down, non_blocking=self.cuda)
+        else:
+            with torch.cuda.stream(stream):
+                if after is not None:
+                    stream.wait_event(after)  # the evicted expert's last reader has finished
+                dst_gu.copy_(src_gu, non_blocking=True)
+                dst_down.copy_(src_down, non_blocking=True)
+            stream.synchronize()
+        if (left := self.config.copy_s - (time.perf_counter() - t0)) > 0:
+            time.sleep(left)
 
     # ------------------------------------------------------------------------------------------------ executor
     def _executor(self, li: int):
@@ -264,44 +294,46 @@ class ExpertTiers:
 
     def _run(self, li: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         flat = experts.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.E)
-        counts_np = counts.cpu().numpy()
-        ahead = self._lookahead_experts(li, x)
+        counts = torch.bincount(flat, minlength=self.E).cpu().numpy()
+        needed = np.flatnonzero(counts)
+        ahead = self._lookahead_experts(li, x) if self.lookahead else None
         t0 = time.perf_counter()
-        with self.cond:
-            if li <= self._last_li:
-                self._step += 1
-            self._last_li = li
-            tau = self._step * self.L + li
-            self.policy.at(tau)
-            got = self.res.acquire(li, np.flatnonzero(counts_np), tau)
-            if ahead is not None:
-                keys = [(li + 1, e) for e in self.policy.lookahead(li + 1, ahead)]
-                self.res.enqueue(keys, tau + 1, certain=True)
-                self.res.protect_next(keys)
-            if li == self.L - 1:
-                self._queue_prewarm()
-            self._wake()
+        self._reap()
+        if li <= self._last_li:
+            self._step += 1
+        self._last_li = li
+        tau = self._step * self.L + li
+        self.policy.at(tau)
+        self.res.invalidate_scores()
+        got = self.res.acquire(li, needed, tau)
+        if ahead is not None:
+            keys = [(li + 1, e) for e in self.policy.lookahead(li + 1, ahead)]
+            self.res.enqueue(keys, tau + 1, certain=True)
+            self.res.pin(keys, tau + 1)
+        if li == self.L - 1:
+            self._queue_prewarm()  # issues the look-ahead's copies too
+        else:
+            self._issue()
         for key, slot in got.missing:
             self._copy(key, slot)
-        with self.cond:
-            while any(not self.res.is_resident(k) for k in got.late):
-                self.cond.wait()
-            slots = {k[1]: self.res.slot(k) for k in got.hits + got.late}
-        slots.update({k[1]: s for k, s in got.missing})
+        while not all(self.res.is_resident(k) for k in got.late):
+            self._complete(self._done.get())
         stall = time.perf_counter() - t0 if got.late or got.missing else 0.0
-        out = self._compute(x, weights, flat, slots)
-        with self.cond:
-            self._count(counts_np, got, stall)
-            if self.cuda:
-                ev = torch.cuda.Event()
-                ev.record()
-                self._last_use.update((s, ev) for s in slots.values())
-            self.policy.observe(li, counts_np)
-            self.policy.at(tau + 1)
-            self.res.release()
-            self.res.keep(got.missing)
-            self._wake()
+        slot_of = dict(got.missing)
+        slot_of.update((k, self.res.slot(k)) for k in got.hits + got.late)
+        out = self._compute(x, weights, flat, [(slot_of[(li, int(e))], int(counts[e])) for e in needed])
+        self._count(counts, got, stall)
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            self._last_use.update((s, ev) for s in slot_of.values())
+        self.policy.observe(li, counts)
+        self.policy.at(tau + 1)
+        self.res.invalidate_scores()
+        self.res.release()
+        self.res.keep(got.missing)
+        self._reap()
+        self._issue()
         return out
 
     def _lookahead_experts(self, li: int, x: torch.Tensor) -> np.ndarray | None:
@@ -310,9 +342,9 @@ class ExpertTiers:
         if li + 1 >= self.L or x.shape[0] == 0:
             return None
         nxt = torch.topk(self.moes[li + 1].gate(x), self.top_k, dim=-1).indices
-        return torch.unique(nxt).cpu().numpy()
+        return np.flatnonzero(torch.bincount(nxt.reshape(-1), minlength=self.E).cpu().numpy())
 
-    def _count(self, counts: np.ndarray, got, stall: float) -> None:
+    def _count(self, counts: np.ndarray, got: Acquired, stall: float) -> None:
         s = self.stats
         s.assignments += int(counts.sum())
         s.hits += int(sum(counts[k[1]] for k in got.hits))
@@ -324,25 +356,28 @@ class ExpertTiers:
         s.bytes_copied += len(got.missing) * self.bytes_per_expert
         s.stall_s += stall
 
-    def _compute(self, x: torch.Tensor, weights: torch.Tensor, flat: torch.Tensor, slots: dict[int, int]
+    def _compute(self, x: torch.Tensor, weights: torch.Tensor, flat: torch.Tensor, groups: list[tuple[int, int]]
                  ) -> torch.Tensor:
-        """:meth:`SparseMoe.forward`'s maths from the slot buffer: pairs sorted by expert as the engine sorts them,
-        regrouped by slot for the GEMMs (a group = one expert's rows in the same order), back in expert order for
-        the activation and the combine."""
+        """:meth:`SparseMoe.forward`'s maths from the slot buffer. ``groups``: ``(slot, rows)`` of each needed
+        expert in expert order. The (token, k) pairs are sorted by expert exactly as the engine sorts them, so
+        every expert's rows, their order and the combine's order are the engine's; each group is one
+        ``torch.mm`` with its slot's weights -- what the engine's grouped GEMM computes per group (bit-equal on
+        CPU, and the engine's own path for float32 on CUDA), without paying for the slots no token uses."""
         t, h = x.shape
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k
-        slot_map = torch.zeros(self.E, dtype=torch.int64)
-        slot_map[list(slots)] = torch.tensor(list(slots.values()), dtype=torch.int64)
-        slot_of_pair = slot_map.to(x.device)[flat[order]]
-        perm = torch.argsort(slot_of_pair, stable=True)
-        offsets = torch.cumsum(torch.bincount(slot_of_pair, minlength=self.res.num_slots), 0, dtype=torch.int32)
-        xs = x[token[perm]]
-        gu = torch.empty(xs.shape[0], self.dev_gu.shape[1], dtype=x.dtype, device=x.device)
-        gu[perm] = grouped_mm(xs, self.dev_gu.transpose(1, 2), offsets)
-        gate, up = gu.chunk(2, dim=-1)
-        hidden = self.act(gate) * up
-        y = torch.empty(xs.shape[0], h, dtype=x.dtype, device=x.device)
-        y[perm] = grouped_mm(hidden[perm], self.dev_down.transpose(1, 2), offsets)
-        y = y * weights.view(-1)[order].unsqueeze(1)
+        xs = x[token]
+        gate, up = _group_mm(xs, self.dev_gu, groups).chunk(2, dim=-1)
+        y = _group_mm(self.act(gate) * up, self.dev_down, groups) * weights.view(-1)[order].unsqueeze(1)
         return torch.zeros(t, h, dtype=y.dtype, device=y.device).index_add_(0, token, y).to(x.dtype)
+
+
+def _group_mm(x: torch.Tensor, w: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+    """Consecutive row blocks of x ``[S, K]`` (``rows`` each) times ``w[slot].T`` (``w`` output-major
+    ``[slots, N, K]``) -> ``[S, N]``."""
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for slot, rows in groups:
+        torch.mm(x[start:start + rows], w[slot].t(), out=out[start:start + rows])
+        start += rows
+    return out

@@ -13,10 +13,11 @@ Sections (every row carries ``section``; the JSON file is one list of rows):
   resident experts, for ``lru``, ``duet`` and ``belady``, with one device pool for all layers (``global``, the
   criteria) and with per-layer pools (``layer``); ``forced_stalls`` is the floor no policy can go under (a layer
   needing more experts in a step than its pool holds). ``tpot_ms``: the demo trace's ``global`` lru/duet rows carry
-  the measured decode TPOT of the ``tpot`` section (None elsewhere).
+  the ``tpot`` section's TPOT on the emulated link (the one that models the simulation's link; None elsewhere).
 * ``tpot`` -- :func:`measure_tpot`: the real decode worker's TPOT on the demo model with tiered expert memory
   (:mod:`decode_node.expert_tiers`, one device pool for all layers) at 25% and 50% resident, ``lru`` (on demand) and
-  ``duet`` (pre-warm), against all experts resident; with its hit rate, stalled loads and bytes copied.
+  ``duet`` (pre-warm), against all experts resident, with plain CPU copies and with an emulated link
+  (:mod:`cluster.bench.tiers_tpot`); with its hit rate, stalled loads and bytes copied.
 * ``criterion`` -- each criterion of the issue: value, threshold, met.
 
 The demo trace is recorded by serving ``--demo-n`` held-out questions on the shipped demo model (batch of at most
@@ -152,17 +153,18 @@ def migration_row(loads: list[np.ndarray], workers: int, s: int, *, max_moves: i
 
 
 # ----------------------------------------------------------------------------------------------------- pre-warm
-def measure_tpot(model_dir: Path, n: int, *, repeats: int = 1, max_num_seqs: int = 4, max_tokens: int = 16,
-                 seed: int = DEMO_SEED) -> list[dict]:
+def measure_tpot(model_dir: Path, n: int, *, repeats: int = 1, link_rate: float = 2.0, max_num_seqs: int = 4,
+                 max_tokens: int = 32, seed: int = DEMO_SEED) -> list[dict]:
     """``tpot`` rows: decode TPOT of the real decode worker serving ``n`` held-out demo questions, all experts
-    resident and at each of :data:`RESIDENT` for ``lru`` and ``duet`` (see :mod:`cluster.bench.tiers_tpot`)."""
+    resident and, per link, at each of :data:`RESIDENT` for ``lru`` and ``duet`` (see
+    :mod:`cluster.bench.tiers_tpot`; ``link_rate``: the emulated link's expert copies per layer-time)."""
     from cluster.bench import tiers_tpot
     from cluster.bench.quality_bench import prompts_for
     from cluster.demo.tasks import make_dataset
     from engine.tokenizer import Tokenizer
 
     prompts = prompts_for(Tokenizer.from_pretrained(model_dir), make_dataset(seed, n))
-    return tiers_tpot.measure(model_dir, prompts, configs=tiers_tpot.tpot_configs(RESIDENT, ("lru", "duet")),
+    return tiers_tpot.measure(model_dir, prompts, resident=RESIDENT, policies=("lru", "duet"), link_rate=link_rate,
                               max_num_seqs=max_num_seqs, max_tokens=max_tokens, repeats=repeats)
 
 
@@ -293,9 +295,10 @@ def run(args: argparse.Namespace) -> int:
         from cluster.demo import default_model_dir
 
         tpot = measure_tpot(default_model_dir(), args.tpot_n or (6 if quick else 48),
-                            repeats=args.tpot_repeats or (1 if quick else 3))
+                            repeats=args.tpot_repeats or (1 if quick else 3), link_rate=args.link_rate,
+                            max_tokens=16 if quick else 32)
         rows += tpot
-        measured = {(r["resident"], r["policy"]): r["tpot_ms"] for r in tpot}
+        measured = {(r["resident"], r["policy"]): r["tpot_ms"] for r in tpot if r["link"] == "emulated"}
         for r in rows:
             if r["section"] == "prewarm" and r["load"] == "demo" and r["scope"] == "global":
                 r["tpot_ms"] = measured.get((r["resident"], r["policy"]))
@@ -343,14 +346,19 @@ def report(rows: list[dict]) -> str:
     parts.append(format_table(["trace", "pool", "resident", "policy", "hit rate", "stalled", "forced", "copies", "MB copied",
                                "tpot ms"],
                               warm))
-    tpot = [[f"{r['resident']:.0%}", r["policy"], fmt(r["tpot_ms"], 2), fmt(r["tpot_p50_ms"], 2), fmt(r["tpot_ratio"], 3),
-             str(r["decode_steps"]), fmt(r["hit_rate"], 3), str(r["stalled_loads"]), str(r["prefetches"]),
-             fmt(r["bytes_copied"] / 1e6, 1), fmt(r["stall_ms"], 1), "yes" if r["tokens_match"] else "NO"]
-            for r in rows if r["section"] == "tpot"]
+    tpot = [r for r in rows if r["section"] == "tpot"]
     if tpot:
-        parts.append(format_table(["resident", "policy", "tpot ms", "p50 ms", "vs all", "steps", "hit rate", "stalled",
-                                   "prefetched", "MB copied", "stall ms", "same tokens"], tpot))
+        parts.append(_tpot_table(tpot))
     crit = [[r["name"], fmt(float(r["value"]), 4), f"{r['op']} {r['threshold']}", "yes" if r["met"] else "NO"]
             for r in rows if r["section"] == "criterion"]
     parts.append(format_table(["criterion", "value", "needs", "met"], crit))
     return "\n\n".join(parts)
+
+
+def _tpot_table(rows: list[dict]) -> str:
+    table = [[r["link"] or "-", f"{r['resident']:.0%}", r["policy"], fmt(r["tpot_ms"], 2), fmt(r["tpot_p50_ms"], 2),
+              fmt(r["tpot_ratio"], 3), str(r["decode_steps"]), fmt(r["hit_rate"], 3), str(r["stalled_loads"]),
+              str(r["prefetches"]), fmt(r["bytes_copied"] / 1e6, 1), fmt(r["stall_ms"], 1),
+              "yes" if r["tokens_match"] else "NO"] for r in rows]
+    return format_table(["link", "resident", "policy", "tpot ms", "p50 ms", "vs all", "steps", "hit rate", "stalled",
+                         "prefetched", "MB copied", "stall ms", "same tokens"], table)

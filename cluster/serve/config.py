@@ -48,6 +48,9 @@ class ServeConfig:
     model_name: str | None = None  # the name clients use; default: the model directory's name
     drain_timeout_s: float = 30.0  # on shutdown, how long in-flight requests may take to finish
     limits: Limits = field(default_factory=Limits)
+    # an autoscaling policy file (deploy/autoscaling/*.yaml; cluster.autoscale); in a config file a relative path is
+    # relative to that file. None: fixed pool sizes
+    autoscaling_policy: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -63,6 +66,13 @@ class ServeConfig:
             raise ConfigError("token must not be empty")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.autoscaling_policy is not None:
+            from cluster.autoscale import PolicyError, load_policy
+
+            try:
+                load_policy(self.autoscaling_policy)
+            except PolicyError as e:
+                raise ConfigError(f"serve.autoscaling_policy: {e}") from None
         if not self.insecure and self.token is None and not is_loopback(self.host):
             raise ConfigError(f"refusing to serve on {self.host} (not a loopback address) without a token; "
                               "pass --token (and TLS) or --insecure")
@@ -98,6 +108,10 @@ def read_config_file(path: str | Path) -> dict:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping of settings")
+    serve = data.get("serve")
+    policy = serve.get("autoscaling_policy") if isinstance(serve, dict) else None
+    if isinstance(policy, str) and not Path(policy).expanduser().is_absolute():
+        serve["autoscaling_policy"] = str(p.parent / policy)  # relative to the config file, not the working dir
     return data
 
 

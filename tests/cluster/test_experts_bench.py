@@ -27,7 +27,7 @@ def test_quick_run_and_rerun_on_the_saved_trace(tmp_path):
     assert main(["bench", "experts", "--quick", "--json", str(out), "--save-trace", str(trace_path)]) == 0
     rows = json.loads(out.read_text())
     assert isinstance(rows, list) and {r["section"] for r in rows} == {"meta", "placement", "migration", "prewarm",
-                                                                       "criterion"}
+                                                                       "tpot", "criterion"}
     place = [r for r in rows if r["section"] == "placement"]
     assert {r["load"] for r in place} == {"zipf0.8", "zipf1.2", "zipf1.6", "demo"}
     assert {r["placement"] for r in place} == {"static", "greedy", "duet"}
@@ -39,7 +39,15 @@ def test_quick_run_and_rerun_on_the_saved_trace(tmp_path):
         (load, res, pol) for load in ("zipf1.2", "demo") for res in (0.25, 0.5) for pol in ("lru", "duet", "belady")}
     for r in warm:
         assert PREWARM_KEYS <= r.keys() and 0 <= r["hit_rate"] <= 1 and r["bytes_copied"] > 0
-        assert r["stalled_loads"] >= r["forced_stalls"] and r["tpot_ms"] is None
+        assert r["stalled_loads"] >= r["forced_stalls"]
+        measured = (r["load"], r["scope"]) == ("demo", "global") and r["policy"] != "belady"
+        assert (r["tpot_ms"] is not None) == measured  # the real decode worker's TPOT, on the emulated link
+    tpot = [r for r in rows if r["section"] == "tpot"]
+    assert {(r["link"], r["resident"], r["policy"]) for r in tpot} == {(None, 1.0, "all")} | {
+        (link, res, pol) for link in ("memcpy", "emulated") for res in (0.25, 0.5) for pol in ("lru", "duet")}
+    for r in tpot:  # the tiered worker decodes the all-resident worker's tokens; behaviour only, never speed
+        assert r["tokens_match"] and r["tpot_ms"] > 0 and r["decode_steps"] > 0 and PREWARM_KEYS <= r.keys()
+        assert (r["stalled_loads"] == 0) == (r["policy"] == "all") and (r["prefetches"] > 0) == (r["policy"] == "duet")
     mig = [r for r in rows if r["section"] == "migration"]
     assert mig and all(r["migrate_slots_moved"] <= r["scratch_slots_moved_raw"] for r in mig)
     crit = {r["name"]: r for r in rows if r["section"] == "criterion"}
@@ -60,7 +68,7 @@ def test_quick_run_and_rerun_on_the_saved_trace(tmp_path):
     assert hints and all(h.shape == (4, 8) and h.sum() > 0 for h in hints)
 
     again = tmp_path / "again.json"
-    assert main(["bench", "experts", "--quick", "--trace", str(trace_path), "--json", str(again)]) == 0
+    assert main(["bench", "experts", "--quick", "--trace", str(trace_path), "--json", str(again), "--skip-tpot"]) == 0
     demo = {(r["resident"], r["policy"], r["scope"]): r["stalled_loads"] for r in rows
             if r["section"] == "prewarm" and r["load"] == "demo"}
     rerun = {(r["resident"], r["policy"], r["scope"]): r["stalled_loads"] for r in json.loads(again.read_text())

@@ -1,0 +1,350 @@
+"""``duet bench serve [MODEL_DIR]``: open-loop serving, colocated engine against the disaggregated cluster.
+
+Workload (:func:`make_workload`, deterministic in the seed): Poisson arrivals at each ``--rates`` rate; a request is
+image-heavy with probability ``--image-fraction`` (a demo-task question with one or two images, as
+:func:`cluster.demo.tasks.make_dataset` makes them) or else text-only (several demo-corpus sentences); its output length
+is drawn from a geometric distribution with mean ``--output-mean`` (capped at ``--output-max``), EOS ignored so every
+request runs to its drawn length. Both systems get the same requests at the same times in the same run:
+
+* colocated -- the in-process :class:`engine.LLM` with ``--colocated-threads`` torch threads (default 2: the cores
+  the two workers get), driven step by step: arrivals are added between steps with their scheduled arrival time, so
+  a request that arrives during a long step is charged the wait;
+* disaggregated -- a 1 prefill + 1 decode :class:`~cluster.disagg.DisaggCluster` (one CPU each, KV over
+  ``--kv-transport``), each request started by an asyncio task at its arrival time and streamed.
+
+Per system and rate: TTFT and TPOT p50/p90/p99 (TPOT = (last token - first token) / (tokens - 1), from the scheduled
+arrival), throughput (requests and output tokens per second of makespan), goodput (requests meeting both SLOs per
+second) and SLO attainment; ratios disaggregated / colocated. Criterion of the issue (:func:`criteria`): at a rate
+where colocated p99 TPOT misses its SLO, disaggregated p99 TPOT <= half of colocated's and goodput >= 1.3x. PNG plots
+(latency CDFs, goodput against rate) when matplotlib is importable. ``--quick``: a few requests at one rate (tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cluster.bench.report import fmt, format_table, write_json
+
+RATES = (0.5, 1.0, 2.0, 4.0)
+QUICK_RATES = (4.0,)
+SYSTEMS = ("colocated", "disaggregated")
+MAX_TPOT_RATIO = 0.5
+MIN_GOODPUT_RATIO = 1.3
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at_s: float  # seconds after the run's start
+    prompt: dict
+    max_tokens: int
+    kind: str  # "text" | "image"
+
+
+# ----------------------------------------------------------------------------------------------------- pure helpers
+def make_workload(tok, n: int, rate: float, *, seed: int, image_fraction: float, output_mean: float,
+                  output_max: int) -> list[Arrival]:
+    """``n`` requests with Poisson arrivals at ``rate`` req/s; the same ``seed`` gives the same prompts, lengths and
+    gaps at every rate (only the time scale changes), so rates compare like for like."""
+    from cluster.demo.tasks import corpus, make_dataset
+
+    assert n >= 1 and rate > 0 and 0 <= image_fraction <= 1 and output_mean >= 1 and output_max >= 1
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, n)
+    is_image = rng.random(n) < image_fraction
+    outs = np.minimum(rng.geometric(1.0 / output_mean, n), output_max)
+    examples = make_dataset(seed, n)
+    sentences, pick = corpus(), random.Random(seed)
+    arrivals, t = [], 0.0
+    for i in range(n):
+        t += float(gaps[i])
+        if is_image[i]:
+            e = examples[i]
+            prompt = {"prompt": tok.apply_chat_template([{"role": "user", "content": e.question}]),
+                      "multi_modal_data": {"image": e.images()}}
+        else:
+            text = " ".join(pick.choice(sentences) for _ in range(pick.randint(2, 8)))
+            prompt = {"prompt": tok.apply_chat_template([{"role": "user", "content": text}])}
+        arrivals.append(Arrival(t, prompt, int(outs[i]), "image" if is_image[i] else "text"))
+    return arrivals
+
+
+def percentiles(xs: list[float]) -> dict:
+    """p50/p90/p99 of ``xs`` (``None`` each when empty)."""
+    if not xs:
+        return {"p50": None, "p90": None, "p99": None}
+    return {f"p{q}": float(np.percentile(xs, q)) for q in (50, 90, 99)}
+
+
+def summarise(records: list[dict], *, ttft_slo: float, tpot_slo: float) -> dict:
+    """Latency percentiles, throughput and goodput of one system at one rate. A record: ``ttft_s``, ``tpot_s``
+    (``None`` for one-token outputs: they meet any TPOT target), ``tokens``, ``done_s`` (since the run's start) and
+    ``error`` (``None`` when it completed)."""
+    done = [r for r in records if r["error"] is None]
+    wall = max((r["done_s"] for r in done), default=0.0)
+    good = [r for r in done if r["ttft_s"] <= ttft_slo and (r["tpot_s"] is None or r["tpot_s"] <= tpot_slo)]
+    per_s = lambda x: x / wall if wall > 0 else None
+    return {"requests": len(records), "completed": len(done), "wall_s": wall,
+            "ttft_s": percentiles([r["ttft_s"] for r in done]),
+            "tpot_s": percentiles([r["tpot_s"] for r in done if r["tpot_s"] is not None]),
+            "throughput_req_s": per_s(len(done)), "throughput_tok_s": per_s(sum(r["tokens"] for r in done)),
+            "goodput_req_s": per_s(len(good)), "slo_attainment": len(good) / len(records) if records else None}
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or den is None or den <= 0 else num / den
+
+
+def criteria(rows: list[dict], tpot_slo: float) -> dict:
+    """The issue's check at each rate where colocated p99 TPOT misses the SLO: disaggregated p99 TPOT <= 0.5x and
+    goodput >= 1.3x of colocated's. ``met`` is None when no measured rate overloads colocated serving."""
+    at = [r for r in rows if (r["colocated"]["tpot_s"]["p99"] or 0) > tpot_slo]
+    checks = [{"rate": r["rate"], "p99_tpot_ratio": r["ratios"]["p99_tpot"], "goodput_ratio": r["ratios"]["goodput"],
+               "ok": (r["ratios"]["p99_tpot"] or math.inf) <= MAX_TPOT_RATIO
+               and (r["ratios"]["goodput"] or 0) >= MIN_GOODPUT_RATIO} for r in at]
+    colocated_wins = [r["rate"] for r in rows if (r["ratios"]["goodput"] or 0) < 1.0]
+    return {"max_p99_tpot_ratio": MAX_TPOT_RATIO, "min_goodput_ratio": MIN_GOODPUT_RATIO, "checks": checks,
+            "met": all(c["ok"] for c in checks) if checks else None, "rates_colocated_wins": colocated_wins}
+
+
+def serve_table(rows: list[dict]) -> str:
+    header = ["rate", "system", "done", "TTFT p50", "p90", "p99 ms", "TPOT p50", "p90", "p99 ms", "req/s", "tok/s",
+              "goodput", "SLO %"]
+    out = []
+    for r in rows:
+        for name in SYSTEMS:
+            s = r[name]
+            ms = lambda d, k: fmt(None if d[k] is None else d[k] * 1e3)
+            out.append([f"{r['rate']:g}/s", name, f"{s['completed']}/{s['requests']}",
+                        *(ms(s["ttft_s"], k) for k in ("p50", "p90", "p99")),
+                        *(ms(s["tpot_s"], k) for k in ("p50", "p90", "p99")),
+                        fmt(s["throughput_req_s"], 2), fmt(s["throughput_tok_s"], 1), fmt(s["goodput_req_s"], 2),
+                        fmt(None if s["slo_attainment"] is None else 100 * s["slo_attainment"])])
+    return format_table(header, out)
+
+
+# ------------------------------------------------------------------------------------------------------ measurement
+def _params(a: Arrival):
+    from engine import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+
+
+def drive_colocated(llm, arrivals: list[Arrival], bar) -> list[dict]:
+    """Open loop over one engine: add what has arrived, run one step, repeat (sleep when idle)."""
+    engine, recs = llm.engine, [None] * len(arrivals)
+    t0, i = time.perf_counter(), 0
+    while i < len(arrivals) or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while i < len(arrivals) and arrivals[i].at_s <= now:
+            engine.add_request(f"c{i}", arrivals[i].prompt, _params(arrivals[i]), arrival_time=t0 + arrivals[i].at_s)
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, arrivals[i].at_s - now))
+            continue
+        for out in engine.step():
+            if out.finished:
+                k, m = int(out.request_id[1:]), out.metrics
+                recs[k] = {"kind": arrivals[k].kind, "ttft_s": m.ttft_s, "tpot_s": out.tpot_s(),
+                           "tokens": len(out.outputs[0].token_ids), "done_s": m.finished_time - t0, "error": None}
+                bar.update(1)
+    return recs
+
+
+async def _one_disagg(cluster, k: int, a: Arrival, t0: float, bar) -> dict:
+    await asyncio.sleep(max(0.0, t0 + a.at_s - time.perf_counter()))
+    start, first, last, n = t0 + a.at_s, None, None, 0
+    try:
+        prepared = await asyncio.to_thread(cluster.prepare, a.prompt)
+        async for d in cluster.stream(prepared, _params(a), request_id=f"d{k}"):
+            if d.get("token_ids"):
+                last = time.perf_counter()
+                first, n = first or last, n + len(d["token_ids"])
+    except Exception as e:  # noqa: BLE001 -- a failed request is recorded, not fatal to the benchmark
+        return {"kind": a.kind, "ttft_s": None, "tpot_s": None, "tokens": n, "done_s": None, "error": repr(e)}
+    finally:
+        bar.update(1)
+    return {"kind": a.kind, "ttft_s": first - start, "tpot_s": (last - first) / (n - 1) if n > 1 else None,
+            "tokens": n, "done_s": last - t0, "error": None}
+
+
+def drive_disagg(cluster, arrivals: list[Arrival], bar) -> list[dict]:
+    """Open loop over the cluster: one asyncio task per request, started at its arrival time."""
+    async def go() -> list[dict]:
+        t0 = time.perf_counter()
+        return list(await asyncio.gather(*(_one_disagg(cluster, k, a, t0, bar) for k, a in enumerate(arrivals))))
+    return asyncio.run(go())
+
+
+def _setup(quick: bool) -> dict:
+    return {"dtype": "float32", "max_num_seqs": 32, "num_kv_blocks": 256 if quick else 1024, "block_size": 16}
+
+
+def _measure(args: argparse.Namespace, model_dir: Path, rates: tuple[float, ...], n: int) -> list[dict]:
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(args.colocated_threads)  # the colocated engine gets the cores both workers get
+    try:
+        return _measure_with(args, model_dir, rates, n)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float, ...], n: int) -> list[dict]:
+    from tqdm import tqdm
+
+    from cluster.disagg import DisaggCluster
+    from cluster.spec import ClusterSpec
+    from engine import LLM
+
+    llm = LLM(model_dir, enable_prefix_caching=False, **_setup(args.quick))
+    spec = ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport=args.kv_transport,
+                       cpus_per_worker=1, **_setup(args.quick))
+    cluster = DisaggCluster(spec)
+    try:
+        tok = llm.get_tokenizer()
+        warm = make_workload(tok, 2, 100.0, seed=args.seed + 1, image_fraction=0.5, output_mean=2, output_max=2)
+        drive_colocated(llm, warm, _NoBar())
+        drive_disagg(cluster, warm, _NoBar())
+        rows = []
+        for rate in rates:
+            arrivals = make_workload(tok, n, rate, seed=args.seed, image_fraction=args.image_fraction,
+                                     output_mean=args.output_mean, output_max=args.output_max)
+            row: dict = {"rate": rate, "image_requests": sum(a.kind == "image" for a in arrivals)}
+            for name, drive, target in (("colocated", drive_colocated, llm), ("disaggregated", drive_disagg, cluster)):
+                with tqdm(total=n, desc=f"{name} @ {rate:g} req/s", leave=False, file=sys.stderr) as bar:
+                    recs = drive(target, arrivals, bar)
+                row[name] = summarise(recs, ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo) | {"records": recs}
+            c, d = row["colocated"], row["disaggregated"]
+            row["ratios"] = {"p99_tpot": ratio(d["tpot_s"]["p99"], c["tpot_s"]["p99"]),
+                             "goodput": ratio(d["goodput_req_s"], c["goodput_req_s"])}
+            rows.append(row)
+        row_leaks = cluster.check_no_leaks()
+    finally:
+        cluster.shutdown()
+    for r in rows:
+        r["leaked_blocks"] = sum(row_leaks.values())
+    return rows
+
+
+class _NoBar:
+    def update(self, _n: int) -> None:
+        pass
+
+
+def plots(rows: list[dict], out_dir: Path) -> list[str]:
+    """Latency CDFs per rate and goodput against rate as PNGs; [] when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key in zip(axes, ("ttft_s", "tpot_s"), strict=True):
+        for r in rows:
+            for name in SYSTEMS:
+                xs = np.sort([x[key] * 1e3 for x in r[name]["records"] if x["error"] is None and x[key] is not None])
+                ax.plot(xs, np.arange(1, len(xs) + 1) / max(1, len(xs)), label=f"{name} @ {r['rate']:g}/s")
+        ax.set_xlabel(f"{key[:4].upper()} ms"), ax.set_ylabel("CDF"), ax.legend(fontsize=7)
+    paths.append(out_dir / "serve_latency_cdf.png")
+    fig.tight_layout(), fig.savefig(paths[-1]), plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for name in SYSTEMS:
+        ax.plot([r["rate"] for r in rows], [r[name]["goodput_req_s"] or 0 for r in rows], "o-", label=name)
+    ax.set_xlabel("arrival rate req/s"), ax.set_ylabel("goodput req/s"), ax.legend()
+    paths.append(out_dir / "serve_goodput.png")
+    fig.tight_layout(), fig.savefig(paths[-1]), plt.close(fig)
+    return [str(p) for p in paths]
+
+
+# ------------------------------------------------------------------------------------------------------------ main
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", nargs="?", help="checkpoint directory (default: the shipped demo model)")
+    p.add_argument("--rates", type=_rates, default=None, help=f"comma list of req/s (default {_join(RATES)})")
+    p.add_argument("--requests", type=int, default=None, help="requests per rate (default 64; 6 with --quick)")
+    p.add_argument("--image-fraction", type=float, default=0.5, help="share of image-heavy requests")
+    p.add_argument("--output-mean", type=float, default=None, help="mean output tokens (default 32; 4 with --quick)")
+    p.add_argument("--output-max", type=int, default=128)
+    p.add_argument("--ttft-slo", type=float, default=1.0, help="TTFT target, seconds")
+    p.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT target, seconds")
+    p.add_argument("--colocated-threads", type=int, default=2, help="torch threads of the colocated engine")
+    p.add_argument("--kv-transport", default="gloo", choices=["gloo", "grpc"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="bench_out/serve.json", help="where to write the results (plots beside it)")
+    p.add_argument("--quick", action="store_true", help="a few requests at one rate (tests), not for figures")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.demo import default_model_dir
+
+    rates = args.rates or (QUICK_RATES if args.quick else RATES)
+    n = args.requests or (6 if args.quick else 64)
+    args.output_mean = args.output_mean or (4.0 if args.quick else 32.0)
+    if n < 1 or not 0 <= args.image_fraction <= 1 or args.output_mean < 1 or args.colocated_threads < 1:
+        print("duet: error: --requests, --output-mean and --colocated-threads must be >= 1 and --image-fraction in "
+              "[0, 1]", file=sys.stderr)
+        return 2
+    model_dir = Path(args.model_dir) if args.model_dir else default_model_dir()
+    rows = _with_ray(lambda: _measure(args, model_dir, rates, n))
+    crit = criteria(rows, args.tpot_slo)
+    print(serve_table(rows))
+    for c in crit["checks"]:
+        print(f"at {c['rate']:g} req/s (colocated p99 TPOT over SLO): p99 TPOT disagg/colocated "
+              f"{fmt(c['p99_tpot_ratio'], 2)} (<= {MAX_TPOT_RATIO}), goodput {fmt(c['goodput_ratio'], 2)}x "
+              f"(>= {MIN_GOODPUT_RATIO}) -> {'ok' if c['ok'] else 'MISSED'}")
+    if crit["rates_colocated_wins"]:
+        print(f"colocated goodput higher at {', '.join(f'{r:g}' for r in crit['rates_colocated_wins'])} req/s")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pngs = plots(rows, out.parent)
+    print("plots: " + (", ".join(pngs) if pngs else "skipped (matplotlib not installed)"))
+    write_json(out, {"model_dir": str(model_dir), "quick": args.quick, "requests_per_rate": n,
+                     "workload": {"image_fraction": args.image_fraction, "output_mean": args.output_mean,
+                                  "output_max": args.output_max, "seed": args.seed},
+                     "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
+                     "colocated_threads": args.colocated_threads, "kv_transport": args.kv_transport,
+                     "rates": rows, "criteria": crit, "plots": pngs,
+                     "timestamp": dt.datetime.now(dt.timezone.utc).isoformat()})
+    return 0
+
+
+def _with_ray(fn):
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    try:
+        return fn()
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(t) for t in text.split(",") if t)
+    except ValueError:
+        vals = ()
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"--rates must be positive numbers separated by commas, got {text!r}")
+    return vals
+
+
+def _join(xs) -> str:
+    return ",".join(f"{x:g}" for x in xs)

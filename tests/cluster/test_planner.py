@@ -1,0 +1,151 @@
+"""The planner (:mod:`cluster.planner`): hand-checkable simulations, pool sizing direction, mode choice, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster.cli import main
+from cluster.planner import (
+    SLO,
+    Mode,
+    PlanError,
+    Profile,
+    Requests,
+    Workload,
+    plan,
+    simulate_colocated_gpu,
+    simulate_decode_worker,
+    simulate_prefill_pool,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "deploy" / "profiles" / "h100-moe-assumed.json"
+# prefill 1 ms/token, decode 20 ms/step whatever the batch, transfer free
+FLAT = Profile(prefill_per_token_s=1e-3, decode_base_s=0.02, max_decode_batch=64)
+
+
+def _requests(arrivals, prompt, output, images=None) -> Requests:
+    n = len(arrivals)
+    return Requests(np.asarray(arrivals, float), np.full(n, prompt) if np.isscalar(prompt) else np.asarray(prompt),
+                    np.zeros(n, int) if images is None else np.asarray(images), np.full(n, output))
+
+
+def test_an_idle_system_adds_no_queueing():
+    req = _requests([0.0, 10.0, 20.0], 100, 5)
+    prof = Profile(prefill_per_token_s=1e-3, decode_base_s=0.02, transfer_per_token_s=1e-4)
+    np.testing.assert_allclose(simulate_prefill_pool(prof, req, 1.0, 1), 0.1 + 0.01)  # prefill + transfer
+    np.testing.assert_allclose(simulate_decode_worker(prof, req.unit_arrivals, req.prompt, req.output), 0.02)
+    ttft, tpot = simulate_colocated_gpu(FLAT, req, 1.0)
+    np.testing.assert_allclose(ttft, 0.1)
+    np.testing.assert_allclose(tpot, 0.02)
+
+
+def test_decode_step_cost_grows_with_batch_and_context():
+    prof = Profile(decode_base_s=0.01, decode_per_seq_s=0.001, decode_per_ctx_token_s=1e-5)
+    # two sequences of 10 prompt tokens join together and run 2 steps: contexts 20 then 22 tokens
+    tpot = simulate_decode_worker(prof, np.zeros(2), np.array([10, 10]), np.array([3, 3]))
+    np.testing.assert_allclose(tpot, ((0.012 + 20e-5) + (0.012 + 22e-5)) / 2)
+
+
+def test_prefill_interrupts_colocated_decode():
+    # request 0 decodes; request 1 (1000 tokens = 1 s of prefill) arrives mid-decode and stalls it
+    req = _requests([0.0, 0.15], [10, 1000], 11)
+    _, tpot = simulate_colocated_gpu(FLAT, req, 1.0)
+    assert tpot[0] > 0.09  # ten 20 ms steps plus a 1 s stall, over 10 tokens
+    prefill_only = simulate_decode_worker(FLAT, np.array([0.01]), np.array([10]), np.array([11]))
+    assert prefill_only[0] == pytest.approx(0.02)
+
+
+def test_single_prefill_worker_matches_md1_queueing():
+    """M/D/1: mean wait = rho * s / (2 (1 - rho)) (Pollaczek-Khinchine)."""
+    s, rho = 0.1, 0.6
+    req = Workload(prompt_mean=100).sample(40_000, seed=3)
+    ttft = simulate_prefill_pool(FLAT, req, rho / s, 1)
+    assert ttft.mean() == pytest.approx(s + rho * s / (2 * (1 - rho)), rel=0.05)
+
+
+def test_worked_example_prefill_bound():
+    p = plan(FLAT, Workload(prompt_mean=1000, output_mean=50), SLO(ttft_p90_s=2.0, tpot_p90_s=0.05), 8)
+    assert (p.prefill, p.decode) == (7, 1)
+    assert p.recommended is Mode.DISAGGREGATED
+
+
+def test_prefill_heavy_gets_more_prefill_and_decode_heavy_more_decode():
+    prof = Profile(prefill_per_token_s=1e-4, decode_base_s=0.02, decode_per_seq_s=1e-3, max_decode_batch=32)
+    slo = SLO(ttft_p90_s=1.0, tpot_p90_s=0.1)
+    heavy_prefill = plan(prof, Workload(prompt_mean=4000, output_mean=8), slo, 16, requests_per_worker=300)
+    heavy_decode = plan(prof, Workload(prompt_mean=64, output_mean=512), slo, 16, requests_per_worker=300)
+    assert heavy_prefill.prefill > heavy_prefill.decode
+    assert heavy_decode.decode > heavy_decode.prefill
+
+
+def test_colocated_wins_short_prompts_at_low_load():
+    p = plan(FLAT, Workload(rate=0.5, prompt_mean=32, output_mean=32), SLO(2.0, 0.1), 8, requests_per_worker=300)
+    assert p.recommended is Mode.COLOCATED
+    assert p.needed["colocated_gpus"] == 1 and p.needed["disaggregated_gpus"] == 2
+
+
+def test_disaggregated_wins_when_long_prompts_stall_decode():
+    # a 2000-token prefill (2 s) would stall every colocated decode far past a 60 ms TPOT target
+    p = plan(FLAT, Workload(rate=2.0, prompt_mean=2000, prompt_cv=0.5, output_mean=64), SLO(10.0, 0.06), 16,
+             requests_per_worker=300)
+    assert p.recommended is Mode.DISAGGREGATED
+    assert p.disaggregated_goodput > p.colocated_goodput
+
+
+def test_deterministic_from_seed():
+    wl = Workload(rate=3.0, prompt_mean=300, prompt_cv=1.0, output_mean=40, output_cv=0.5, image_fraction=0.5)
+    args = (FLAT, wl, SLO(1.0, 0.05), 12)
+    assert plan(*args, seed=7, requests_per_worker=200).to_dict() == plan(*args, seed=7,
+                                                                          requests_per_worker=200).to_dict()
+
+
+def test_hundreds_of_gpus_from_the_shipped_profile():
+    prof = Profile.load(SHIPPED)
+    assert prof.source.startswith("assumed")
+    wl = Workload(rate=500, prompt_mean=2048, prompt_cv=1.0, output_mean=256, output_cv=0.5, image_fraction=0.3)
+    p = plan(prof, wl, SLO(1.0, 0.05), 256, requests_per_worker=300)
+    assert p.prefill + p.decode == 256 and p.prefill >= 1 and p.decode >= 1
+    assert p.predicted["ttft_p90_s"] <= 1.0 and p.predicted["tpot_p90_s"] <= 0.05
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: Profile(prefill_per_token_s=-1.0), "prefill_per_token_s"),
+    (lambda: Profile(max_decode_batch=0), "max_decode_batch"),
+    (lambda: Profile.from_dict({"prefill_per_tok": 1}), "unknown fields"),
+    (lambda: Workload(image_fraction=1.5), "image_fraction"),
+    (lambda: Workload(rate=-1), "rate"),
+    (lambda: SLO(ttft_p90_s=0), "TTFT"),
+    (lambda: plan(FLAT, Workload(), SLO(), 1), "gpus"),
+], ids=["negative-cost", "batch", "unknown-field", "image-fraction", "rate", "slo", "gpus"])
+def test_bad_input_names_the_field(make, field):
+    with pytest.raises(PlanError, match=field):
+        make()
+
+
+def test_cli_writes_the_plan(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--profile", str(SHIPPED), "--gpus", "64", "--rate", "50", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "disaggregated" in text and "colocated" in text and "recommended:" in text
+    got = json.loads(out.read_text())
+    assert got["plan"]["prefill"] + got["plan"]["decode"] == 64
+    assert got["plan"]["recommended"] in {"disaggregated", "colocated"}
+
+
+def test_cli_bad_profile_is_a_usage_error(tmp_path, capsys):
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({"decode_base_s": -1}))
+    assert main(["plan", "--profile", str(bad)]) == 2
+    assert "decode_base_s" in capsys.readouterr().err
+
+
+def test_profile_fit_is_least_squares_clipped_at_zero():
+    from cluster.plan_cmd import fit_line
+
+    assert fit_line(np.array([1, 2, 3]), np.array([0.012, 0.014, 0.016])) == pytest.approx((0.01, 0.002))
+    assert fit_line(np.array([1, 2]), np.array([0.0, 1.0]))[0] == 0.0  # intercept -1 clipped
