@@ -49,6 +49,7 @@ class _Worker:
     load: WorkerLoad
     actor: Any
     inflight: int = 0  # requests placed on this worker and not yet finished (a drain waits for 0)
+    prefill_tokens: int = 0  # prefill workers: prompt tokens admitted and not yet past their first token
 
 
 @dataclass
@@ -108,6 +109,8 @@ class DisaggCluster:
         self._ids = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, str] = {}  # request id -> decode worker id
+        self._prefill_cap = spec.max_prefill_queue_tokens or 4 * spec.max_num_batched_tokens
+        self._room_waiters: list[asyncio.Future] = []  # requests waiting for prefill room (front-end loop only)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="duet-frontend", daemon=True)
         self._thread.start()
@@ -428,13 +431,22 @@ class DisaggCluster:
     async def _attempt(self, rid: str, wire: dict, params: SamplingParams, p, exclude_d: frozenset[str],
                        exclude_p: frozenset[str], deadline: float) -> AsyncIterator[dict]:
         blocks = -(-len(p.token_ids) // self.spec.block_size)
-        decode = self._pick_decode(blocks, exclude_d)
+        self._pick_decode(blocks, exclude_d)  # fail fast when no decode worker could ever hold it
         loads = [w.load for w in self.prefills if w.load.worker_id not in self._draining]
         prefill = pick_prefill(loads, exclude=exclude_p) or pick_prefill(loads)
         if prefill is None:
             raise TransferFailedError("no live prefill worker")
         pw = next(w for w in self.prefills if w.load is prefill)
         import ray
+
+        n_prompt = len(p.token_ids)
+        await self._admit_prefill(pw, n_prompt, rid, deadline)
+        admitted = True
+        try:
+            decode = self._pick_decode(blocks, exclude_d)  # after the wait: free blocks may have changed
+        except BaseException:
+            self._release_prefill(pw, n_prompt)
+            raise
 
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
@@ -470,6 +482,8 @@ class DisaggCluster:
                 if "failed" in item:
                     yield {**item, **where}
                     return
+                if admitted and item.get("token_ids"):
+                    admitted = self._release_prefill(pw, n_prompt)
                 if placement is not None and item.get("token_ids"):
                     item, placement = {**item, "placement": placement}, None
                 yield item
@@ -486,10 +500,37 @@ class DisaggCluster:
             self._abort(rid, decode, pw)
             raise
         finally:
+            if admitted:
+                self._release_prefill(pw, n_prompt)
             self._queues.pop(rid, None)
             self._owner.pop(rid, None)
             decode.inflight -= 1
             pw.inflight -= 1
+
+    async def _admit_prefill(self, pw: _Worker, tokens: int, rid: str, deadline: float) -> None:
+        """Wait until ``pw`` has room for ``tokens`` more prompt tokens before the decode side reserves blocks: a
+        lease's deadline runs from its allocation, so requests queue here, not in a prefill worker's queue holding
+        one. A prompt larger than the cap is admitted alone."""
+        loop = asyncio.get_running_loop()
+        while pw.prefill_tokens and pw.prefill_tokens + tokens > self._prefill_cap:
+            left = deadline - time.monotonic()
+            fut = loop.create_future()
+            self._room_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, timeout=max(0.0, left))
+            except asyncio.TimeoutError:
+                raise RequestTimeoutError(f"request {rid} waited {self.spec.request_timeout_s:.0f} s for prefill "
+                                          f"capacity") from None
+        pw.prefill_tokens += tokens
+
+    def _release_prefill(self, pw: _Worker, tokens: int) -> bool:
+        """Give back admitted prompt tokens and wake the waiters; returns False (no longer admitted)."""
+        pw.prefill_tokens -= tokens
+        waiters, self._room_waiters = self._room_waiters, []
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+        return False
 
     def _pick_decode(self, blocks: int, exclude: frozenset[str]) -> _Worker:
         loads = [w.load for w in self.decodes if w.load.worker_id not in self._draining]

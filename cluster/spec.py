@@ -33,6 +33,9 @@ class ClusterSpec:
     request_timeout_s: float = 600.0
     lease_base_s: float = 5.0  # lease deadline = now + lease_base_s + bytes / lease_min_rate_bps
     lease_min_rate_bps: float = 50e6
+    # prompt tokens a prefill worker may have between decode allocation and first token; more requests wait at the
+    # front-end, not holding a lease whose deadline runs (None: 4 x max_num_batched_tokens)
+    max_prefill_queue_tokens: int | None = None
     kv_compression: str | dict | None = "none"  # a policy name, JSON or dict (kv_transfer.compression)
     # expert parallelism: decode workers form groups of this size that share the experts (1: every decode worker
     # holds all experts); each worker has expert_slots_per_worker slots per MoE layer (None: ceil(experts / size))
@@ -58,6 +61,8 @@ class ClusterSpec:
             raise InvalidRequestError(f"no checkpoint at {self.model_dir}")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise InvalidRequestError("need at least one prefill and one decode worker")
+        if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens < 1:
+            raise InvalidRequestError("max_prefill_queue_tokens must be >= 1 (or None)")
         if self.transport not in TRANSPORTS:
             raise InvalidRequestError(f"unknown kv transport {self.transport!r} (choose from {', '.join(TRANSPORTS)})")
         if self.transport == "inproc":

@@ -193,3 +193,24 @@ def test_compressed_kv_runs_end_to_end(ray_cluster, tiny_model_dir, transport, p
 def test_bad_compression_policy_is_rejected_before_anything_starts(tiny_model_dir):
     with pytest.raises(InvalidRequestError, match="kv_compression"):
         ClusterSpec(model_dir=str(tiny_model_dir), kv_compression={"visual": {"kind": "int", "bits": 3, "group": 8}})
+
+
+def test_requests_beyond_prefill_capacity_wait_at_the_front_end(ray_cluster, tiny_model_dir):
+    """With room for one prompt at a time on the prefill worker and a slow prefill, a burst still succeeds on its
+    first attempt: later requests wait at the front-end instead of holding leases (2 s here) that would expire in
+    the prefill queue."""
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_seqs=8,
+                       max_num_batched_tokens=12, max_model_len=128, request_timeout_s=60, lease_base_s=2.0,
+                       max_prefill_queue_tokens=1)
+    c = DisaggCluster(spec)
+    try:
+        import ray
+
+        ray.get(c.prefills[0].actor.inject_fault.remote("layer_delay_s", 0.5), timeout=10)  # ~1 s per prompt
+        prompts = [make_request(5 + i, seed=40 + i) for i in range(6)]
+        got = c.generate_batch(prompts, greedy(2))
+        assert all(x.attempts == 1 and len(x.token_ids) == 2 for x in got)
+        assert c.prefills[0].prefill_tokens == 0
+        _assert_idle(c)
+    finally:
+        c.shutdown()
