@@ -3,11 +3,29 @@
 Request outcomes are counted per API (``grpc``, ``http``) and outcome (``ok``, ``invalid``, ``unauthenticated``,
 ``overloaded``, ``unavailable``, ``timeout``, ``cancelled``, ``aborted``, ``error``); latencies are histograms
 from the request timeline; KV blocks and in-flight requests are read when scraped.
+
+Where each family comes from:
+
+* per request (:meth:`Metrics.observe_finished`, on the server's loop): TTFT / TPOT / latency / queue histograms,
+  KV transfer bytes, wire bytes and seconds per transport; GB/s and compression ratio (bytes / wire bytes) are
+  derived from those sums when scraped;
+* the cluster (:meth:`Metrics.attach_cluster`): pool sizes when scraped (front-end counters, no remote call);
+  per-worker queue depths and KV use, expert balancedness and pre-warm hits from a :class:`ClusterSampler` snapshot
+  that a background thread refreshes every ``refresh_s`` (``status()`` is a blocking Ray call, never made on a
+  scrape);
+* the autoscaler (:meth:`Metrics.observe_decision`): decisions by pool and direction;
+* the GPUs (:class:`_GPUCollector`): memory and utilisation via pynvml when scraped; without pynvml or a GPU, no
+  series and no error.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,10 +34,14 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+logger = logging.getLogger(__name__)
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+RECENT_REQUESTS = 4096  # finished requests kept for the autoscaler's latency percentiles
 
 
 class Metrics:
@@ -36,6 +58,8 @@ class Metrics:
         self.generation_tokens = Counter("duet_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("duet_time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
+        self.tpot = Histogram("duet_time_per_output_token_seconds", "First to last token / (tokens - 1)",
+                              registry=r, buckets=_TPOT_BUCKETS)
         self.e2e = Histogram("duet_request_duration_seconds", "Arrival to last token", registry=r,
                              buckets=_LATENCY_BUCKETS)
         self.queue = Histogram("duet_queue_seconds", "Arrival to accepted by a prefill worker", registry=r,
@@ -44,24 +68,219 @@ class Metrics:
                                 registry=r)
         self.kv_seconds = Histogram("duet_kv_transfer_seconds", "KV transfer time per request", registry=r,
                                     buckets=_LATENCY_BUCKETS)
+        self.decisions = Counter("duet_autoscale_decisions", "Autoscaling decisions that changed a pool",
+                                 ["pool", "direction"], registry=r)
         self.in_flight = Gauge("duet_requests_in_flight", "Requests being served", registry=r)
         self.in_flight.set_function(in_flight)
+        self.transfers = _TransferCollector()
+        self.recent = RecentRequests()
+        self.sampler: ClusterSampler | None = None
         r.register(_KVCollector(kv_blocks))
+        r.register(self.transfers)
+        r.register(_GPUCollector())
+
+    def attach_cluster(self, cluster: Any, refresh_s: float = 5.0) -> ClusterSampler:
+        """Export the cluster's pool sizes, worker queues, KV use and expert summary; returns the sampler (its
+        thread is the caller's to :meth:`~ClusterSampler.start` and :meth:`~ClusterSampler.stop`)."""
+        assert self.sampler is None, "a cluster is already attached"
+        self.sampler = ClusterSampler(cluster, refresh_s)
+        self.registry.register(_ClusterCollector(cluster, self.sampler))
+        return self.sampler
 
     def observe_finished(self, timeline: dict, prompt_tokens: int, completion_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
-        if timeline.get("ttft_s"):
-            self.ttft.observe(timeline["ttft_s"])
+        ttft = timeline.get("ttft_s") or None
+        tpot = timeline.get("decode_s", 0.0) / (completion_tokens - 1) if completion_tokens > 1 else None
+        if ttft:
+            self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        self.recent.add(ttft, tpot)
         self.e2e.observe(timeline.get("total_s", 0.0))
         self.queue.observe(timeline.get("queue_s", 0.0))
         kv = timeline.get("kv_transfer") or {}
         if kv.get("bytes"):
             self.kv_bytes.inc(kv["bytes"])
             self.kv_seconds.observe(kv.get("seconds", 0.0))
+            self.transfers.add(kv)
+
+    def observe_decision(self, pool: str, delta: int) -> None:
+        """One autoscaling decision that added (``delta > 0``) or drained (``< 0``) workers of ``pool``."""
+        if delta:
+            self.decisions.labels(pool, "up" if delta > 0 else "down").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RecentRequests:
+    """The TTFT and TPOT of recently finished requests, with their finish times (``time.monotonic()``); written on
+    the server's loop, read by the autoscaler's thread."""
+
+    def __init__(self, maxlen: int = RECENT_REQUESTS) -> None:
+        self._rows: deque[tuple[float, float | None, float | None]] = deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def add(self, ttft_s: float | None, tpot_s: float | None, now: float | None = None) -> None:
+        with self._lock:
+            self._rows.append((time.monotonic() if now is None else now, ttft_s, tpot_s))
+
+    def since(self, t: float) -> list[tuple[float, float | None, float | None]]:
+        """``(finished_at, ttft_s, tpot_s)`` of the requests finished at or after ``t``."""
+        with self._lock:
+            return [row for row in self._rows if row[0] >= t]
+
+
+class _TransferCollector:
+    """KV transfer sums per transport; GB/s (bytes / seconds) and compression ratio (bytes / wire bytes) derived."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, list[float]] = {}  # transport -> [bytes, wire bytes, seconds, transfers]
+        self._lock = threading.Lock()
+
+    def add(self, kv: dict) -> None:
+        nbytes = float(kv.get("bytes", 0))
+        wire = float(kv.get("wire_bytes", nbytes))
+        with self._lock:
+            s = self._sums.setdefault(str(kv.get("transport", "unknown")), [0.0, 0.0, 0.0, 0.0])
+            s[0] += nbytes
+            s[1] += wire
+            s[2] += float(kv.get("seconds", 0.0))
+            s[3] += 1
+
+    def collect(self):
+        with self._lock:
+            sums = {k: list(v) for k, v in self._sums.items()}
+        labels = ["transport"]
+        fams = {
+            "bytes": CounterMetricFamily("duet_kv_transport_bytes", "KV bytes moved (decoded size) by transport",
+                                         labels=labels),
+            "wire": CounterMetricFamily("duet_kv_transport_wire_bytes", "KV bytes on the wire (after compression)",
+                                        labels=labels),
+            "seconds": CounterMetricFamily("duet_kv_transport_seconds", "KV transfer time by transport",
+                                           labels=labels),
+            "count": CounterMetricFamily("duet_kv_transport_transfers", "KV transfers by transport", labels=labels),
+            "gbps": GaugeMetricFamily("duet_kv_transfer_gbps", "Mean KV transfer rate, GB/s (bytes / seconds)",
+                                      labels=labels),
+            "ratio": GaugeMetricFamily("duet_kv_compression_ratio", "KV bytes / wire bytes (1 = uncompressed)",
+                                       labels=labels),
+        }
+        for transport, (nbytes, wire, seconds, count) in sorted(sums.items()):
+            fams["bytes"].add_metric([transport], nbytes)
+            fams["wire"].add_metric([transport], wire)
+            fams["seconds"].add_metric([transport], seconds)
+            fams["count"].add_metric([transport], count)
+            if seconds > 0:
+                fams["gbps"].add_metric([transport], nbytes / seconds / 1e9)
+            if wire > 0:
+                fams["ratio"].add_metric([transport], nbytes / wire)
+        yield from fams.values()
+
+
+class ClusterSampler:
+    """A snapshot of ``cluster.status()`` and ``cluster.expert_summary()``, refreshed every ``refresh_s`` on its own
+    thread between :meth:`start` and :meth:`stop` (or by hand with :meth:`refresh`). A failing refresh keeps the
+    previous snapshot and logs at debug level (the cluster may be shutting down)."""
+
+    def __init__(self, cluster: Any, refresh_s: float = 5.0) -> None:
+        assert refresh_s > 0, refresh_s
+        self.cluster, self.refresh_s = cluster, refresh_s
+        self.workers: list[dict] = []
+        self.experts: dict | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def refresh(self) -> None:
+        try:
+            workers = self.cluster.status()
+            experts = self.cluster.expert_summary()
+        except Exception as e:  # noqa: BLE001 - metrics must never take the server down
+            logger.debug("cluster metrics refresh failed: %s", e)
+            return
+        self.workers, self.experts = workers, experts
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="duet-metrics", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        self.refresh()
+        while not self._stop.wait(self.refresh_s):
+            self.refresh()
+
+
+_WORKER_GAUGES = (  # stats field, metric, help, roles that report it
+    ("waiting", "duet_worker_waiting", "Requests waiting on the worker", ("prefill",)),
+    ("running", "duet_worker_running", "Requests running on the worker", ("prefill", "decode")),
+    ("receiving", "duet_worker_receiving", "Requests whose KV is being received", ("decode",)),
+    ("outstanding_tokens", "duet_prefill_outstanding_tokens", "Prompt tokens queued or running", ("prefill",)),
+)
+
+
+class _ClusterCollector:
+    def __init__(self, cluster: Any, sampler: ClusterSampler) -> None:
+        self.cluster, self.sampler = cluster, sampler
+
+    def collect(self):
+        pools = GaugeMetricFamily("duet_pool_workers", "Workers taking requests per pool", labels=["pool"])
+        for pool, n in self.cluster.pool_sizes().items():
+            pools.add_metric([pool], n)
+        yield pools
+        yield from self._workers(self.sampler.workers)
+        yield from self._experts(self.sampler.experts)
+
+    @staticmethod
+    def _workers(rows: list[dict]):
+        alive = GaugeMetricFamily("duet_worker_alive", "1 if the worker answered its last status call",
+                                  labels=["worker", "role"])
+        fams = {field: GaugeMetricFamily(name, doc, labels=["worker", "role"])
+                for field, name, doc, _ in _WORKER_GAUGES}
+        kv_used = GaugeMetricFamily("duet_kv_used_blocks", "KV blocks in use per decode worker", labels=["worker"])
+        kv_util = GaugeMetricFamily("duet_kv_utilization", "Fraction of KV blocks in use per decode worker",
+                                    labels=["worker"])
+        for row in rows:
+            wid, role = row["worker_id"], row["role"]
+            alive.add_metric([wid, role], 1.0 if row["alive"] else 0.0)
+            if not row["alive"]:
+                continue
+            for field, _, _, roles in _WORKER_GAUGES:
+                if role in roles and field in row:
+                    fams[field].add_metric([wid, role], row[field])
+            total = row.get("total_blocks", 0)
+            if role == "decode" and total:
+                used = total - row.get("free_blocks", total)
+                kv_used.add_metric([wid], used)
+                kv_util.add_metric([wid], used / total)
+        yield alive
+        yield from fams.values()
+        yield kv_used
+        yield kv_util
+
+    @staticmethod
+    def _experts(summary: dict | None):
+        if summary is None:
+            return  # no expert parallelism nor tiered expert memory: nothing to say
+        if summary.get("balancedness") is not None:
+            yield GaugeMetricFamily("duet_expert_balancedness", "Mean / max expert load, mean over EP groups "
+                                    "(1 = even)", value=summary["balancedness"])
+        yield CounterMetricFamily("duet_expert_placement_changes", "Expert placement changes",
+                                  value=summary.get("placement_changes", 0))
+        hits, misses = summary.get("prewarm_hits"), summary.get("prewarm_misses")
+        if hits is not None and misses is not None:
+            yield CounterMetricFamily("duet_expert_prewarm_hits", "Expert accesses that found the expert resident",
+                                      value=hits)
+            yield CounterMetricFamily("duet_expert_prewarm_misses", "Expert accesses that stalled on a load",
+                                      value=misses)
+            if hits + misses:
+                yield GaugeMetricFamily("duet_expert_prewarm_hit_rate", "hits / (hits + misses)",
+                                        value=hits / (hits + misses))
 
 
 class _KVCollector:
@@ -76,3 +295,49 @@ class _KVCollector:
             total.add_metric([worker], n_total)
         yield free
         yield total
+
+
+class _GPUCollector:
+    """GPU memory and utilisation via pynvml, initialised on the first scrape; any NVML failure (no library, no
+    driver, no GPU) turns the collector off for good rather than erroring every scrape."""
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+        self._disabled = False
+
+    def collect(self):
+        handles = self._handles()
+        if not handles:
+            return
+        used = GaugeMetricFamily("duet_gpu_memory_used_bytes", "GPU memory in use", labels=["gpu"])
+        total = GaugeMetricFamily("duet_gpu_memory_total_bytes", "GPU memory", labels=["gpu"])
+        util = GaugeMetricFamily("duet_gpu_utilization_ratio", "GPU busy fraction over the last sample period",
+                                 labels=["gpu"])
+        nv = self._nvml
+        try:
+            for i, h in enumerate(handles):
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
+                used.add_metric([str(i)], float(mem.used))
+                total.add_metric([str(i)], float(mem.total))
+                util.add_metric([str(i)], nv.nvmlDeviceGetUtilizationRates(h).gpu / 100.0)
+        except Exception as e:  # noqa: BLE001 - pynvml raises NVMLError subclasses; never fail a scrape
+            logger.debug("GPU metrics unavailable: %s", e)
+            return
+        yield used
+        yield total
+        yield util
+
+    def _handles(self) -> list:
+        if self._disabled:
+            return []
+        try:
+            if self._nvml is None:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+            return [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(self._nvml.nvmlDeviceGetCount())]
+        except Exception as e:  # noqa: BLE001 - ImportError or NVMLError: no GPU metrics on this machine
+            logger.debug("no GPU metrics: %s", e)
+            self._disabled = True
+            return []

@@ -5,6 +5,10 @@
 background thread (tests, notebooks). Several servers may share one cluster (each with its own limits and token).
 Shutdown drains: health turns NOT_SERVING, new requests get UNAVAILABLE / 503, in-flight ones run to the end (up to
 ``drain_timeout_s``, then they are aborted), then both listeners close. The cluster is the caller's to shut down.
+
+Between start and stop a server also runs two daemon threads: the metrics sampler (cluster status and expert summary
+for ``/metrics``, every ``METRICS_REFRESH_S``) and, when ``serve.autoscaling_policy`` is set, the autoscaling loop
+(:mod:`cluster.serve.autoscaling`), which stops before the drain begins; workers it added stay in the cluster.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
+from cluster.autoscale import load_policy
+from cluster.serve.autoscaling import AutoscaleLoop
 from cluster.serve.config import ServeConfig
 from cluster.serve.grpc_api import start_grpc
 from cluster.serve.openai_api import make_app
@@ -37,11 +43,18 @@ def default_model_name(model_dir: str | Path) -> str:
 
 
 class Server:
+    METRICS_REFRESH_S = 5.0
+
     def __init__(self, cluster: Any, cfg: ServeConfig) -> None:
         self.cfg = cfg
         self.cluster = cluster
         name = cfg.model_name or default_model_name(cluster.spec.model_dir)
         self.service = InferenceService(cluster, cfg.limits, name)
+        self.sampler = self.service.metrics.attach_cluster(cluster, self.METRICS_REFRESH_S)
+        self.autoscale: AutoscaleLoop | None = None
+        if cfg.autoscaling_policy is not None:
+            self.autoscale = AutoscaleLoop(cluster, load_policy(cfg.autoscaling_policy), self.service.metrics,
+                                           lambda: self.service.admission.in_flight)
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self._grpc = self._health = self._runner = None
@@ -72,6 +85,9 @@ class Server:
             await self._runner.cleanup()
             raise BindError(f"HTTP cannot listen on {self.cfg.host}:{self.cfg.http_port}: {e.strerror}") from None
         self.http_port = self._runner.addresses[0][1]
+        self.sampler.start()
+        if self.autoscale is not None:
+            self.autoscale.start()
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         if not self.cfg.tls:
@@ -90,6 +106,10 @@ class Server:
         """Drain, then close both listeners (idempotent)."""
         if self._grpc is None:
             return
+        loop = asyncio.get_running_loop()
+        if self.autoscale is not None:  # no pool changes while draining
+            await loop.run_in_executor(None, self.autoscale.stop)
+        await loop.run_in_executor(None, self.sampler.stop)
         await self._health.enter_graceful_shutdown()
         await self.service.drain(self.cfg.drain_timeout_s if drain_timeout_s is None else drain_timeout_s, force)
         await self._grpc.stop(grace=1.0)
