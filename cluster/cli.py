@@ -102,59 +102,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# (command, bench subcommand) -> "module:function" that runs it; imported only when chosen
+COMMANDS = {
+    ("generate", None): "cluster.generate_cmd:run_generate",
+    ("bench", "engine"): "cluster.bench.engine_bench:run",
+    ("bench", "quality"): "cluster.bench.quality_bench:run",
+    ("bench", "transfer"): "cluster.bench.transfer_bench:run",
+    ("bench", "kv-codec"): "cluster.bench.kvcodec_bench:run",
+    ("bench", "experts"): "cluster.bench.experts_bench:run",
+    ("bench", "serve"): "cluster.bench.serve_bench:run",
+    ("plan", None): "cluster.plan_cmd:run",
+    ("status", None): "cluster.status_cmd:run",
+    ("serve", None): "cluster.serve.cli:run",
+    ("client", None): "duet_client.cli:run",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    import importlib
+
     args = build_parser().parse_args(argv)
+    target = COMMANDS.get((args.command, getattr(args, "bench", None)))
+    if target is None:
+        return EXIT_USAGE
+    module, func = target.split(":")
     try:
-        if args.command == "generate":
-            from cluster.generate_cmd import run_generate
-
-            return run_generate(args)
-        if args.command == "bench" and args.bench == "engine":
-            from cluster.bench.engine_bench import run
-
-            return run(args)
-        if args.command == "bench" and args.bench == "quality":
-            from cluster.bench.quality_bench import run as run_quality
-
-            return run_quality(args)
-        if args.command == "bench" and args.bench == "transfer":
-            from cluster.bench.transfer_bench import run as run_transfer
-
-            return run_transfer(args)
-        if args.command == "bench" and args.bench == "kv-codec":
-            from cluster.bench.kvcodec_bench import run as run_kvcodec
-
-            return run_kvcodec(args)
-        if args.command == "bench" and args.bench == "experts":
-            from cluster.bench.experts_bench import run as run_experts
-
-            return run_experts(args)
-        if args.command == "bench" and args.bench == "serve":
-            from cluster.bench.serve_bench import run as run_serve_bench
-
-            return run_serve_bench(args)
-        if args.command == "plan":
-            from cluster.plan_cmd import run as run_plan
-
-            return run_plan(args)
-        if args.command == "status":
-            from cluster.status_cmd import run as run_status
-
-            return run_status(args)
-        if args.command == "serve":
-            from cluster.serve.cli import run as run_serve
-
-            return run_serve(args)
-        if args.command == "client":
-            from duet_client.cli import run as run_client
-
-            return run_client(args)
+        return getattr(importlib.import_module(module), func)(args)
     except DuetError as e:
         print(f"duet: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
-    return EXIT_USAGE
 
 
 def print_json(obj: object) -> None:

@@ -54,6 +54,7 @@ class PrefillWorker:
         self._held: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self._seqs: dict[str, Sequence] = {}
         self._compute_done: dict[str, float] = {}  # wall time the last layer's KV was computed
+        self._visual: dict[str, torch.Tensor] = {}  # request id -> prompt positions that are image tokens (codec)
         self.faults = Faults()
         self.outstanding_tokens = 0
 
@@ -73,6 +74,7 @@ class PrefillWorker:
         sender = self.senders.pop(request_id, None)
         self._held.pop(request_id, None)
         self._compute_done.pop(request_id, None)
+        self._visual.pop(request_id, None)
         if sender is not None:
             sender.abort(reason)
         seq = self._seqs.pop(request_id, None)
@@ -101,6 +103,7 @@ class PrefillWorker:
                 sender.send_layer(layer, k, v, ctx)
             meta = self._finish_meta(out.outputs[0].token_ids[0], seq)
             meta["compute_done_s"] = self._compute_done.pop(rid, time.time())
+            self._visual.pop(rid, None)
             sender.finish(meta)
             self.outstanding_tokens -= len(out.prompt_token_ids)
             if not out.finished:
@@ -129,9 +132,12 @@ class PrefillWorker:
         """What the codec needs to know about this layer of ``seq``'s prompt: which tokens are visual and, when the
         policy prunes, the importance scores from the prompt's last queries (:mod:`engine.kv_importance`)."""
         n = seq.num_prompt_tokens
-        visual = torch.zeros(n, dtype=torch.bool, device=k.device)
-        if seq.mm is not None:
-            visual[torch.from_numpy(seq.mm.positions).to(k.device)] = True
+        visual = self._visual.get(seq.request_id)
+        if visual is None:  # once per request, not per layer
+            visual = torch.zeros(n, dtype=torch.bool, device=k.device)
+            if seq.mm is not None:
+                visual[torch.from_numpy(seq.mm.positions).to(k.device)] = True
+            self._visual[seq.request_id] = visual
         ctx = CodecContext(num_tokens=n, visual=visual)
         q = self.engine.runner.captured_queries.get(seq.seq_id) if self._score else None
         if q is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import math
 import os
 import sys
@@ -396,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
             e2e_prompts = [{"prompt": tok.apply_chat_template([{"role": "user", "content": image_prompt}]),
                             "multi_modal_data": {"image": [e.images()[0]] * args.e2e_images}} for e in ex]
             for name, policy in policies:
-                spec = "none" if policy is None else __import__("json").dumps(policy.to_dict())
+                spec = "none" if policy is None else json.dumps(policy.to_dict())
                 for transport in args.transports.split(","):
                     _log(f"[kv-codec] {name}: end-to-end over {transport}")
                     results[name].setdefault("e2e", {})[transport] = e2e_ttft(model_dir, args.dtype, spec, transport,
