@@ -2,8 +2,12 @@
 
 A LLaVA model (a small SigLIP-style tower + Qwen3-MoE text model, 8 experts, top-2) trained with transformers'
 ``LlavaForConditionalGeneration`` on :mod:`cluster.demo.tasks`: each training sequence is one scene with 1-4
-question/answer turns (or one two-image comparison), loss on the answer tokens only. Deterministic for a
-seed on a given machine and thread count. Writes a standard Hugging Face checkpoint (config, safetensors, tokenizer,
+question/answer turns (or one two-image comparison), loss on the answer tokens only, plus two training-only
+probes that are not saved: :class:`CellProbe` (what each grid cell holds, read from the projected visual tokens) and
+:class:`MatchProbe` (which cell the first question asks about, read from the text model's hidden states at the visual
+tokens, which follow the question in the chat template). Without them the answers alone teach the vision tower
+slowly and colour / place answers stay near chance between the shapes of a scene (81% held-out after 5000 steps,
+against 99% with them). Deterministic for a seed on a given machine and thread count. Writes a standard Hugging Face checkpoint (config, safetensors, tokenizer,
 preprocessor and generation config) plus ``train_log.jsonl``.
 """
 
@@ -19,10 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cluster.demo.tasks import IMAGE_SIZE, Conversation, Example, make_conversation
+from cluster.demo.tasks import COLORS, GRID, IMAGE_SIZE, KINDS, SIZES, Conversation, Example, Scene, make_conversation
 from cluster.demo.tokenizer import END, IMAGE_TOKEN, PAD, chat_prompt, save_tokenizer, train_tokenizer
 
 PATCH = 16  # one 3x3-grid cell = 2x2 patches: 36 visual tokens per image
+PROBE_WEIGHT = 0.5  # weight of the training-only cell probe's loss (CellProbe)
+MATCH_WEIGHT = 0.5  # weight of the training-only match probe's loss (MatchProbe)
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
 
 
@@ -78,20 +84,118 @@ def make_batch(tok, examples: list[Conversation | Example], ids: dict[str, int])
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "pixel_values": pixel_values(images)}
 
 
-def _grouped_loss(model, tok, examples: list[Conversation], ids: dict[str, int]) -> torch.Tensor:
+class CellProbe(torch.nn.Module):
+    """Training-only auxiliary head (not saved): from the projected visual tokens of each grid cell (the 2x2 patches
+    it covers), predict what the cell holds -- nothing or a shape kind, its colour, its size. It gives the vision
+    tower a dense signal per shape from the first step, where the answers alone reach it only through the text
+    model; the checkpoint stays a plain LLaVA."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.register_buffer("cells", _cell_patches(), persistent=False)  # [cells, patches per cell]
+        width = hidden * self.cells.shape[1]
+        self.kind = torch.nn.Linear(width, 1 + len(KINDS))
+        self.color = torch.nn.Linear(width, len(COLORS))
+        self.size = torch.nn.Linear(width, len(SIZES))
+
+    def loss(self, visual: torch.Tensor, scenes: list[Scene]) -> torch.Tensor:
+        """Mean cross-entropy of the three predictions; ``visual`` is ``[images, tokens per image, hidden]``."""
+        x = visual[:, self.cells].flatten(2)  # [images, cells, per*per*hidden]
+        kind = torch.zeros(len(scenes), GRID * GRID, dtype=torch.long)
+        color = torch.full_like(kind, -100)
+        size = torch.full_like(kind, -100)
+        for i, sc in enumerate(scenes):
+            for s in sc.shapes:
+                cell = s.row * GRID + s.col
+                kind[i, cell] = 1 + KINDS.index(s.kind)
+                color[i, cell] = list(COLORS).index(s.color)
+                size[i, cell] = list(SIZES).index(s.size)
+        ce = torch.nn.functional.cross_entropy
+        return (ce(self.kind(x).flatten(0, 1), kind.flatten()) + ce(self.color(x).flatten(0, 1), color.flatten())
+                + ce(self.size(x).flatten(0, 1), size.flatten()))
+
+
+class MatchProbe(torch.nn.Module):
+    """Training-only auxiliary head (not saved): from the text model's hidden states at a cell's visual tokens
+    (``layer`` decoder layers in), pick the cell holding the shape the first question asks about ("What color is the
+    triangle?", "Where is the blue circle?"). The image follows the question in the prompt, so each visual token can
+    test itself against it; this trains that test directly."""
+
+    def __init__(self, hidden: int, layer: int = 2) -> None:
+        super().__init__()
+        self.layer = layer
+        self.register_buffer("cells", _cell_patches(), persistent=False)
+        self.score = torch.nn.Linear(hidden * self.cells.shape[1], 1)
+
+    def loss(self, hidden: torch.Tensor, is_image: torch.Tensor, targets: list[int | None]) -> torch.Tensor | None:
+        """Cross-entropy over the cells of each image with a target; None when no image has one."""
+        keep = [i for i, t in enumerate(targets) if t is not None]
+        if not keep:
+            return None
+        visual = hidden[is_image].view(len(targets), -1, hidden.shape[-1])[keep]
+        logits = self.score(visual[:, self.cells].flatten(2)).squeeze(-1)  # [images, cells]
+        return torch.nn.functional.cross_entropy(logits, torch.tensor([targets[i] for i in keep]))
+
+
+def _cell_patches() -> torch.Tensor:
+    """[cells, patches per cell]: the visual-token indices each grid cell covers (row-major patches)."""
+    side = IMAGE_SIZE // PATCH
+    per = side // GRID
+    return torch.tensor([[(r * per + i) * side + c * per + j for i in range(per) for j in range(per)]
+                         for r in range(GRID) for c in range(GRID)])
+
+
+def asked_cell(scene: Scene, question: str) -> int | None:
+    """The grid cell of the shape a colour or place question names (None for other questions)."""
+    words = question.replace(IMAGE_TOKEN, "").removesuffix("?").split()
+    if "What color is the" in question:
+        hits = [s for s in scene.shapes if s.kind == words[-1]]
+    elif "Where is the" in question:
+        hits = [s for s in scene.shapes if (s.color, s.kind) == (words[-2], words[-1])]
+    else:
+        return None
+    return hits[0].row * GRID + hits[0].col if len(hits) == 1 else None
+
+
+def _grouped_loss(model, tok, examples: list[Conversation], ids: dict[str, int], probe: CellProbe | None = None,
+                  probe_weight: float = 0.0, match: MatchProbe | None = None, match_weight: float = 0.0
+                  ) -> torch.Tensor:
     """Mean loss over all answer tokens of the batch, computed in groups of equal image count so one-image
-    prompts are not padded to two-image length (about 1.5x less compute for the same batch)."""
+    prompts are not padded to two-image length (about 1.5x less compute for the same batch); plus
+    ``probe_weight`` x the cell probe's loss on the batch's images and ``match_weight`` x the match probe's."""
     groups: dict[int, list[Conversation]] = {}
     for e in examples:
         groups.setdefault(len(e.scenes), []).append(e)
-    total, count = None, 0
-    for n in sorted(groups):
-        batch = make_batch(tok, groups[n], ids)
-        tokens = int((batch["labels"][:, 1:] != -100).sum())
-        part = model(**batch).loss * tokens
-        total = part if total is None else total + part
-        count += tokens
-    return total / count
+    captured: list[torch.Tensor] = []
+    hook = (model.model.multi_modal_projector.register_forward_hook(lambda _m, _i, out: captured.append(out))
+            if probe is not None else None)
+    try:
+        total, count, aux, images, matched = None, 0, 0.0, 0, []
+        for n in sorted(groups):
+            batch = make_batch(tok, groups[n], ids)
+            tokens = int((batch["labels"][:, 1:] != -100).sum())
+            out = model(**batch, output_hidden_states=match is not None)
+            part = out.loss * tokens
+            if match is not None and n == 1:
+                targets = [asked_cell(e.scenes[0], e.turns[0][0]) for e in groups[n]]
+                m = match.loss(out.hidden_states[match.layer], batch["input_ids"] == ids[IMAGE_TOKEN], targets)
+                if m is not None:
+                    matched.append(m)
+            total = part if total is None else total + part
+            count += tokens
+            if probe is not None:
+                scenes = [s for e in groups[n] for s in e.scenes]
+                aux = aux + probe.loss(captured.pop(), scenes) * len(scenes)
+                images += len(scenes)
+    finally:
+        if hook is not None:
+            hook.remove()
+    loss = total / count
+    if probe is not None:
+        loss = loss + probe_weight * aux / images
+    if matched:
+        loss = loss + match_weight * matched[0]
+    return loss
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -102,12 +206,16 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def train(out: Path, *, steps: int, seed: int = 0, batch_size: int = 32, lr: float = 3e-3, log_every: int = 20,
-          progress: bool = True, save: bool = True, checkpoint_every: int = 0) -> torch.nn.Module:
+          progress: bool = True, save: bool = True, checkpoint_every: int = 0,
+          probe_weight: float = PROBE_WEIGHT, match_weight: float = MATCH_WEIGHT) -> torch.nn.Module:
     tok = train_tokenizer()
     ids = {t: tok.token_to_id(t) for t in (IMAGE_TOKEN, END, PAD)}
     model = build_model(tok.get_vocab_size(), ids[IMAGE_TOKEN], ids[PAD], ids[END], seed)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    probe = CellProbe(model.config.text_config.hidden_size) if probe_weight > 0 else None
+    match = MatchProbe(model.config.text_config.hidden_size) if match_weight > 0 else None
+    params = [p for m in (model, probe, match) if m is not None for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     rng = random.Random(seed)
     log = []
     bar = _bar(steps) if progress else None
@@ -117,9 +225,9 @@ def train(out: Path, *, steps: int, seed: int = 0, batch_size: int = 32, lr: flo
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=min(100, steps // 10 + 1))
         opt.zero_grad(set_to_none=True)
-        loss = _grouped_loss(model, tok, examples, ids)
+        loss = _grouped_loss(model, tok, examples, ids, probe, probe_weight, match, match_weight)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % log_every == 0 or step == steps - 1:
             log.append({"step": step, "loss": round(loss.item(), 5), "lr": opt.param_groups[0]["lr"],
@@ -162,15 +270,20 @@ def _bar(total: int):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.demo.train", description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--steps", type=int, default=5000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--probe-weight", type=float, default=PROBE_WEIGHT,
+                   help="weight of the auxiliary cell-probe loss on the visual tokens (0: off)")
+    p.add_argument("--match-weight", type=float, default=MATCH_WEIGHT,
+                   help="weight of the auxiliary match-probe loss (which cell the question asks about; 0: off)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also save OUT/step-N every N steps")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    train(a.out, steps=a.steps, seed=a.seed, batch_size=a.batch_size, lr=a.lr, checkpoint_every=a.checkpoint_every)
+    train(a.out, steps=a.steps, seed=a.seed, batch_size=a.batch_size, lr=a.lr, checkpoint_every=a.checkpoint_every,
+          probe_weight=a.probe_weight, match_weight=a.match_weight)
     return 0
 
 

@@ -127,3 +127,36 @@ def test_generate_with_sampled_demo_is_seeded(demo_llm):
     p = SamplingParams(temperature=1.0, max_tokens=8, seed=3)
     a = demo_llm.generate([prompt], p)[0].outputs[0].token_ids
     assert demo_llm.generate([prompt], p)[0].outputs[0].token_ids == a
+
+
+def test_training_probes_target_the_right_cells():
+    from cluster.demo.tasks import Scene, Shape
+    from cluster.demo.train import CellProbe, MatchProbe, asked_cell
+
+    scene = Scene((Shape("circle", "red", "small", 0, 0), Shape("triangle", "blue", "large", 1, 2),
+                   Shape("circle", "blue", "small", 2, 1)), noisy=False, seed=1)
+    assert asked_cell(scene, "<image>What color is the triangle?") == 5
+    assert asked_cell(scene, "What color is the circle?") is None  # two circles: not asked
+    assert asked_cell(scene, "<image>Where is the blue circle?") == 7
+    assert asked_cell(scene, "<image>How many shapes are there?") is None
+    probe = CellProbe(8)
+    # cell (1, 2) covers patches (2..3, 4..5) of the 6x6 grid
+    assert probe.cells[5].tolist() == [16, 17, 22, 23] and probe.cells.shape == (9, 4)
+    visual = torch.zeros(1, TOKENS_PER_IMAGE, 8)
+    assert probe.loss(visual, [scene]).item() > 0
+    match = MatchProbe(8)
+    with torch.no_grad():  # score = sum of feature 0 over the cell's four tokens
+        match.score.weight.zero_(), match.score.bias.zero_()
+        match.score.weight[0, ::8] = 1.0
+    hidden = torch.zeros(1, 3 + TOKENS_PER_IMAGE, 8)  # three text tokens, then the image's
+    hidden[0, 3 + probe.cells[5], 0] = 10.0  # cell 5's tokens stand out
+    is_image = torch.tensor([[False] * 3 + [True] * TOKENS_PER_IMAGE])
+    assert match.loss(hidden, is_image, [None]) is None
+    assert match.loss(hidden, is_image, [5]).item() < 1e-6
+    assert match.loss(hidden, is_image, [0]).item() == pytest.approx(40.0, abs=1e-3)
+
+
+def test_chat_template_puts_images_after_the_question():
+    assert chat_prompt("<image>What color is the triangle?") == \
+        "<|user|>What color is the triangle?<image><|end|><|assistant|>"
+    assert chat_prompt("<image><image>Which image has more shapes?").endswith("?<image><image><|end|><|assistant|>")
