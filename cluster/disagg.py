@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -89,6 +90,7 @@ class DisaggCluster:
         self._actor_cls = {"prefill": PrefillActor, "decode": DecodeActor}
         self._next_index = {"prefill": spec.num_prefill, "decode": spec.num_decode}
         self._draining: dict[str, Any] = {}  # worker id -> concurrent future of its drain (see drain_worker)
+        self._pinned = 0  # next core for a pinned worker (spec.pin_cpus)
         self.prefills = [self._spawn("prefill", f"prefill-{i}") for i in range(spec.num_prefill)]
         ep_configs = expert_router.worker_configs(spec, cfg.text)
         self.decodes = [self._spawn("decode", f"decode-{i}", ep_configs[i]) for i in range(spec.num_decode)]
@@ -269,11 +271,18 @@ class DisaggCluster:
         self.total_blocks.pop(wid, None)
         logger.info("drained and removed %s", wid)
 
+    def _next_cpus(self) -> list[int]:
+        """The next block of cores for a pinned worker (``ClusterSpec.pin_cpus``)."""
+        width, total = max(1, int(self.spec.cpus_per_worker)), os.cpu_count() or 1
+        first, self._pinned = self._pinned, self._pinned + width
+        return sorted({(first + k) % total for k in range(width)})
+
     def _spawn(self, role: str, worker_id: str, expert_parallel: Any = None) -> _Worker:
         import ray
 
         spec = self.spec
-        common = {"num_threads": max(1, int(spec.cpus_per_worker)), "compression": spec.compression_policy()}
+        common = {"num_threads": max(1, int(spec.cpus_per_worker)), "compression": spec.compression_policy(),
+                  "cpus": self._next_cpus() if spec.pin_cpus else None}
         if role == "prefill":
             extra = {"stream_layers": spec.stream_layers}
         else:

@@ -88,45 +88,62 @@ def fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return max(0.0, float(a)), max(0.0, float(b))
 
 
-def measure_profile(transfer_json: Path | None = None, *, lens=(16, 64, 192, 384), batches=(1, 4, 16)) -> Profile:
-    """A profile of the in-process engine on the demo model (one thread, as one worker's core)."""
+def measure_profile(transfer_json: Path | None = None, *, model_dir: Path | None = None, threads: int = 1,
+                    lens=(16, 64, 192, 384), batches=(1, 4, 16), contexts=(32, 512)) -> Profile:
+    """A profile of the in-process engine on ``model_dir`` (default: the demo model) with ``threads`` torch threads
+    (1: one worker's core): prefill at ``lens`` prompt tokens and once with an image; decode steps at ``batches``
+    sequences of ``contexts[0]`` tokens, and at ``contexts[-1]`` for the per-context-token term."""
     import PIL.Image
     import torch
 
     from cluster.demo import default_model_dir
     from engine import LLM, SamplingParams
 
-    model = default_model_dir()
+    model = Path(model_dir) if model_dir else default_model_dir()
     cfg = json.loads((model / "config.json").read_text())
-    img_id, tpi = cfg["image_token_index"], cfg["image_seq_length"]
+    img_id, tpi = cfg.get("image_token_index"), cfg.get("image_seq_length")
+    size = (cfg.get("vision_config") or {}).get("image_size", 96)
+    vocab = cfg.get("text_config", cfg).get("vocab_size", 256)
     rng = np.random.default_rng(0)
-    text = lambda n: rng.integers(10, 200, n).tolist()
-    torch.set_num_threads(1)
-    llm = LLM(model, dtype="float32", max_num_seqs=max(batches), max_model_len=1024, enable_prefix_caching=False)
-    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": text(32)}], one)  # warm-up
-    best = lambda p: min(llm.generate([p], one)[0].metrics.ttft_s for _ in range(3))
-    pre = [best({"prompt_token_ids": text(n)}) for n in lens]
-    base, per_tok = fit_line(np.array(lens), np.array(pre))
-    n = lens[-1]
-    image = PIL.Image.fromarray(rng.integers(0, 256, (96, 96, 3), dtype=np.uint8))
-    with_img = best({"prompt_token_ids": text(n - tpi) + [img_id] * tpi, "multi_modal_data": {"image": [image]}})
-    steps = []
-    for b in batches:
-        outs = llm.generate([{"prompt_token_ids": text(32)} for _ in range(b)],
-                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-        steps.append(float(np.median([o.tpot_s() for o in outs])))
-    d_base, d_seq = fit_line(np.array(batches), np.array(steps))
+    text = lambda n: rng.integers(10, min(200, vocab), n).tolist()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        llm = LLM(model, dtype="float32", max_num_seqs=max(batches), max_model_len=2 * max(*lens, *contexts, 64),
+                  enable_prefix_caching=False)
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": text(32)}], one)  # warm-up
+        best = lambda p: min(llm.generate([p], one)[0].metrics.ttft_s for _ in range(3))
+        pre = [best({"prompt_token_ids": text(n)}) for n in lens]
+        base, per_tok = fit_line(np.array(lens), np.array(pre))
+        per_image = 0.0
+        if img_id is not None and tpi:
+            n = max(lens[-1], tpi + 32)
+            image = PIL.Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+            with_img = best({"prompt_token_ids": text(n - tpi) + [img_id] * tpi, "multi_modal_data": {"image": [image]}})
+            per_image = max(0.0, with_img - (base + n * per_tok))
+
+        def step_s(b: int, ctx: int) -> float:
+            outs = llm.generate([{"prompt_token_ids": text(ctx)} for _ in range(b)],
+                                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+            return float(np.median([o.tpot_s() for o in outs]))
+        steps = [step_s(b, contexts[0]) for b in batches]
+        d_base, d_seq = fit_line(np.array(batches), np.array(steps))
+        b = batches[len(batches) // 2]
+        per_ctx = max(0.0, (step_s(b, contexts[-1]) - step_s(b, contexts[0])) / (b * (contexts[-1] - contexts[0])))
+    finally:
+        torch.set_num_threads(saved)
     per_kv_token, note = 0.0, "transfer not measured (0)"
     if transfer_json and transfer_json.exists():
         res = json.loads(transfer_json.read_text())["results"]
         row = res[max(res, key=int)]
         exposed = next(iter(row["transports"].values()))["layerwise"]["exposed_s"] or 0.0
         per_kv_token, note = exposed / row["prompt_len"], f"transfer from {transfer_json}"
-    return Profile(prefill_base_s=base, prefill_per_token_s=per_tok, prefill_per_image_s=max(0.0, with_img - pre[-1]),
-                   decode_base_s=d_base, decode_per_seq_s=d_seq, max_decode_batch=64,
+    return Profile(prefill_base_s=base, prefill_per_token_s=per_tok, prefill_per_image_s=per_image,
+                   decode_base_s=d_base, decode_per_seq_s=d_seq, decode_per_ctx_token_s=per_ctx, max_decode_batch=64,
                    transfer_per_token_s=per_kv_token,
-                   source=f"measured: demo model, engine.LLM, 1 thread, {time.strftime('%Y-%m-%d')}; {note}")
+                   source=f"measured: {model.name}, engine.LLM, {threads} thread(s), {time.strftime('%Y-%m-%d')}; "
+                          f"{note}")
 
 
 def _main() -> int:  # pragma: no cover

@@ -28,6 +28,9 @@ class ClusterSpec:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None
     cpus_per_worker: float = 1.0
+    # pin each worker's process to cores of its own (single-node CPU runs): workers take consecutive blocks of
+    # max(1, int(cpus_per_worker)) cores in spawn order (prefill first), wrapping around the machine's cores
+    pin_cpus: bool = False
     gpus_per_worker: float = 0.0
     stream_layers: bool = True
     request_timeout_s: float = 600.0

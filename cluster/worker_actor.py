@@ -6,6 +6,7 @@ Subclasses set ``role``, build ``self.worker`` (with ``has_work()`` and ``engine
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -16,7 +17,9 @@ from cluster import messages
 class WorkerActorBase:
     role = "worker"
 
-    def _init_common(self, worker_id: str, num_threads: int) -> None:
+    def _init_common(self, worker_id: str, num_threads: int, cpus: list[int] | None = None) -> None:
+        if cpus:
+            pin_process(cpus)
         torch.set_num_threads(max(1, num_threads))  # Ray sets OMP_NUM_THREADS=1 for fractional actors
         self.worker_id = worker_id
         self.lock = threading.Lock()
@@ -30,7 +33,8 @@ class WorkerActorBase:
         raise NotImplementedError
 
     def ping(self) -> bytes:
-        return messages.pack(worker_id=self.worker_id, role=self.role)
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return messages.pack(worker_id=self.worker_id, role=self.role, cpus=cpus)
 
     def check_no_leaks(self) -> bytes:
         """``{"idle", "held"}``: when idle, asserts every KV block is free or cached with zero references."""
@@ -40,3 +44,18 @@ class WorkerActorBase:
             if idle:
                 bm.check_no_leaks()
             return messages.pack(idle=idle, held=sum(b.ref_count > 0 for b in bm.blocks))
+
+
+def pin_process(cpus: list[int]) -> None:
+    """Pin every thread of this process (and the threads it starts later) to ``cpus`` (Linux; a no-op elsewhere)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # a thread that exited meanwhile
+            pass

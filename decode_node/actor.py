@@ -34,10 +34,10 @@ class DecodeActor(WorkerActorBase):
     role = "decode"
 
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *,
-                 num_threads: int = 1, lease_base_s: float = 5.0, lease_min_rate_bps: float = 50e6,
+                 num_threads: int = 1, cpus: list[int] | None = None, lease_base_s: float = 5.0, lease_min_rate_bps: float = 50e6,
                  compression: dict | None = None, expert_parallel: dict | None = None,
                  expert_tiers: dict | None = None) -> None:
-        self._init_common(worker_id, num_threads)
+        self._init_common(worker_id, num_threads, cpus)
         self.manager = get_manager_class(transport)(worker_id=worker_id)
         ep = None if expert_parallel is None else ExpertParallelConfig(**expert_parallel)
         self.worker = DecodeWorker(model_dir, EngineConfig(**engine_config), self.manager, lease_base_s=lease_base_s,

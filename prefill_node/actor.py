@@ -22,9 +22,9 @@ logger = logging.getLogger(__name__)
 class PrefillActor(WorkerActorBase):
     role = "prefill"
 
-    def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *, num_threads: int = 1,
+    def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *, num_threads: int = 1, cpus: list[int] | None = None,
                  stream_layers: bool = True, compression: dict | None = None) -> None:
-        self._init_common(worker_id, num_threads)
+        self._init_common(worker_id, num_threads, cpus)
         self.manager = get_manager_class(transport)(worker_id=worker_id)
         self.worker = PrefillWorker(model_dir, EngineConfig(**engine_config), stream_layers=stream_layers,
                                     compression=compression)

@@ -9,20 +9,30 @@ request runs to its drawn length. Both systems get the same requests at the same
 * colocated -- the in-process :class:`engine.LLM` with ``--colocated-threads`` torch threads (default 2: the cores
   the two workers get), driven step by step: arrivals are added between steps with their scheduled arrival time, so
   a request that arrives during a long step is charged the wait;
-* disaggregated -- a 1 prefill + 1 decode :class:`~cluster.disagg.DisaggCluster` (one CPU each, KV over
-  ``--kv-transport``), each request started by an asyncio task at its arrival time and streamed.
+* disaggregated -- a 1 prefill + 1 decode :class:`~cluster.disagg.DisaggCluster` (one thread each, pinned to a
+  core of its own unless ``--no-pin``; KV over ``--kv-transport``), each request started by an asyncio task at its
+  arrival time and streamed.
+
+``MODEL_DIR`` ``bench`` runs the ``duet bench`` model (54M parameters, 256 visual tokens per image), whose
+image prompts take long enough to prefill that a colocated engine's decode steps wait behind them; the demo model's
+prefills are too small to disturb decoding.
 
 Per system and rate: TTFT and TPOT p50/p90/p99 (TPOT = (last token - first token) / (tokens - 1), from the scheduled
 arrival), throughput (requests and output tokens per second of makespan), goodput (requests meeting both SLOs per
 second) and SLO attainment; ratios disaggregated / colocated. Criterion of the issue (:func:`criteria`): at a rate
 where colocated p99 TPOT misses its SLO, disaggregated p99 TPOT <= half of colocated's and goodput >= 1.3x. PNG plots
 (latency CDFs, goodput against rate) when matplotlib is importable. ``--quick``: a few requests at one rate (tests).
+
+Planner check (``--predict``, on by default; :mod:`cluster.bench.serve_predict`): engine profiles of the same
+checkpoint are measured before the run, and ``duet plan``'s simulators replay each rate's requests; the table of
+predicted against measured TTFT / TPOT p50 and p90 and the check "within 25%" are printed and kept in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import math
 import os
@@ -34,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cluster.bench import serve_predict
 from cluster.bench.report import fmt, format_table, write_json
 
 RATES = (0.5, 1.0, 2.0, 4.0)
@@ -70,13 +81,16 @@ def make_workload(tok, n: int, rate: float, *, seed: int, image_fraction: float,
         t += float(gaps[i])
         if is_image[i]:
             e = examples[i]
-            prompt = {"prompt": tok.apply_chat_template([{"role": "user", "content": e.question}]),
-                      "multi_modal_data": {"image": e.images()}}
+            prompt = {"prompt": _chat(tok, e.question), "multi_modal_data": {"image": e.images()}}
         else:
-            text = " ".join(pick.choice(sentences) for _ in range(pick.randint(2, 8)))
-            prompt = {"prompt": tok.apply_chat_template([{"role": "user", "content": text}])}
+            prompt = {"prompt": _chat(tok, " ".join(pick.choice(sentences) for _ in range(pick.randint(2, 8))))}
         arrivals.append(Arrival(t, prompt, int(outs[i]), "image" if is_image[i] else "text"))
     return arrivals
+
+
+def _chat(tok, content: str) -> str:
+    """``content`` as one user turn through the checkpoint's chat template (as is when it has none)."""
+    return tok.apply_chat_template([{"role": "user", "content": content}]) or content
 
 
 def percentiles(xs: list[float]) -> dict:
@@ -113,8 +127,14 @@ def criteria(rows: list[dict], tpot_slo: float) -> dict:
                "ok": (r["ratios"]["p99_tpot"] or math.inf) <= MAX_TPOT_RATIO
                and (r["ratios"]["goodput"] or 0) >= MIN_GOODPUT_RATIO} for r in at]
     colocated_wins = [r["rate"] for r in rows if (r["ratios"]["goodput"] or 0) < 1.0]
+    planner = [{"rate": r["rate"], "ok": serve_predict.within(r["prediction_errors"]),
+                "max_abs_error": max((abs(v) for k, v in r["prediction_errors"].items()
+                                      if k.startswith("disaggregated.") and v is not None), default=None)}
+               for r in rows if "prediction_errors" in r]
     return {"max_p99_tpot_ratio": MAX_TPOT_RATIO, "min_goodput_ratio": MIN_GOODPUT_RATIO, "checks": checks,
-            "met": all(c["ok"] for c in checks) if checks else None, "rates_colocated_wins": colocated_wins}
+            "met": all(c["ok"] for c in checks) if checks else None, "rates_colocated_wins": colocated_wins,
+            "planner_tolerance": serve_predict.TOLERANCE, "planner": planner,
+            "planner_met": all(c["ok"] for c in planner) if planner else None}
 
 
 def serve_table(rows: list[dict]) -> str:
@@ -131,6 +151,28 @@ def serve_table(rows: list[dict]) -> str:
                         fmt(s["throughput_req_s"], 2), fmt(s["throughput_tok_s"], 1), fmt(s["goodput_req_s"], 2),
                         fmt(None if s["slo_attainment"] is None else 100 * s["slo_attainment"])])
     return format_table(header, out)
+
+
+def prediction_table(rows: list[dict]) -> str:
+    """Planner-predicted against measured TTFT / TPOT p50 and p90 (ms) per rate and system."""
+    header = ["rate", "system", "TTFT p50 pred", "meas", "p90 pred", "meas", "TPOT p50 pred", "meas", "p90 pred",
+              "meas", "max |err| %"]
+    out = []
+    for r in rows:
+        if "predicted" not in r:
+            continue
+        for name in SYSTEMS:
+            cells = []
+            for metric in serve_predict.CHECKED:
+                for q in serve_predict.QUANTILES:
+                    cells += [fmt(_ms(r["predicted"][name][metric][q])), fmt(_ms(r[name][metric][q]))]
+            errs = [abs(v) for k, v in r["prediction_errors"].items() if k.startswith(name + ".") and v is not None]
+            out.append([f"{r['rate']:g}/s", name, *cells, fmt(100 * max(errs) if errs else None)])
+    return format_table(header, out)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1e3
 
 
 # ------------------------------------------------------------------------------------------------------ measurement
@@ -187,10 +229,11 @@ def drive_disagg(cluster, arrivals: list[Arrival], bar) -> list[dict]:
 
 
 def _setup(quick: bool) -> dict:
-    return {"dtype": "float32", "max_num_seqs": 32, "num_kv_blocks": 256 if quick else 1024, "block_size": 16}
+    return {"dtype": "float32", "max_num_seqs": 32, "num_kv_blocks": 256 if quick else 2048, "block_size": 16}
 
 
-def _measure(args: argparse.Namespace, model_dir: Path, rates: tuple[float, ...], n: int) -> list[dict]:
+def _measure(args: argparse.Namespace, model_dir: Path, rates: tuple[float, ...], n: int
+             ) -> tuple[list[dict], dict | None]:
     import torch
 
     saved = torch.get_num_threads()
@@ -201,7 +244,8 @@ def _measure(args: argparse.Namespace, model_dir: Path, rates: tuple[float, ...]
         torch.set_num_threads(saved)
 
 
-def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float, ...], n: int) -> list[dict]:
+def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float, ...], n: int
+                  ) -> tuple[list[dict], dict | None]:
     from tqdm import tqdm
 
     from cluster.disagg import DisaggCluster
@@ -210,13 +254,14 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
 
     llm = LLM(model_dir, enable_prefix_caching=False, **_setup(args.quick))
     spec = ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport=args.kv_transport,
-                       cpus_per_worker=1, **_setup(args.quick))
+                       cpus_per_worker=1, pin_cpus=args.pin, **_setup(args.quick))
     cluster = DisaggCluster(spec)
     try:
         tok = llm.get_tokenizer()
         warm = make_workload(tok, 2, 100.0, seed=args.seed + 1, image_fraction=0.5, output_mean=2, output_max=2)
         drive_colocated(llm, warm, _NoBar())
         drive_disagg(cluster, warm, _NoBar())
+        profiles = _profiles(args, model_dir, llm, cluster, tok) if args.predict else None
         rows = []
         for rate in rates:
             arrivals = make_workload(tok, n, rate, seed=args.seed, image_fraction=args.image_fraction,
@@ -229,13 +274,45 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
             c, d = row["colocated"], row["disaggregated"]
             row["ratios"] = {"p99_tpot": ratio(d["tpot_s"]["p99"], c["tpot_s"]["p99"]),
                              "goodput": ratio(d["goodput_req_s"], c["goodput_req_s"])}
+            if profiles is not None:
+                req = serve_predict.requests_of(arrivals, [_prompt_tokens(cluster, a) for a in arrivals], rate)
+                row["predicted"] = serve_predict.predict(profiles["workers"], profiles["colocated"], req, rate)
+                row["prediction_errors"] = serve_predict.errors(row["predicted"], row)
             rows.append(row)
         row_leaks = cluster.check_no_leaks()
     finally:
         cluster.shutdown()
     for r in rows:
         r["leaked_blocks"] = sum(row_leaks.values())
-    return rows
+    return rows, profiles
+
+
+def _prompt_tokens(cluster, a: Arrival) -> int:
+    return len(cluster.prepare(a.prompt)[0].token_ids)
+
+
+def _profiles(args: argparse.Namespace, model_dir: Path, llm, cluster, tok) -> dict:
+    """Engine profiles of the workers (1 thread) and the colocated engine, each calibrated for its fixed
+    per-request cost by a few requests served one at a time (see :mod:`cluster.bench.serve_predict`)."""
+    import torch
+
+    from cluster.plan_cmd import measure_profile
+
+    threads = torch.get_num_threads()
+    _log("measuring engine profiles for the planner check")
+    out = {"workers": measure_profile(model_dir=model_dir, threads=1),
+           "colocated": measure_profile(model_dir=model_dir, threads=threads)}
+    probe = make_workload(tok, 6, 1.0, seed=args.seed + 2, image_fraction=0.5, output_mean=2, output_max=2)
+    tokens = [_prompt_tokens(cluster, a) for a in probe]
+    images = [len(a.prompt.get("multi_modal_data", {}).get("image", [])) for a in probe]
+    for name, drive, target in (("workers", drive_disagg, cluster), ("colocated", drive_colocated, llm)):
+        ttfts = [drive(target, [dataclasses.replace(a, at_s=0.0)], _NoBar())[0]["ttft_s"] for a in probe]
+        out[name] = serve_predict.calibrate(out[name], ttfts, tokens, images)
+    return out
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 class _NoBar:
@@ -273,7 +350,10 @@ def plots(rows: list[dict], out_dir: Path) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------------------ main
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_dir", nargs="?", help="checkpoint directory (default: the shipped demo model)")
+    p.add_argument("model_dir", nargs="?", help="checkpoint directory, or 'bench' for the duet bench model "
+                                                "(default: the shipped demo model)")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="pin the prefill and decode workers to one core each (default on)")
     p.add_argument("--rates", type=_rates, default=None, help=f"comma list of req/s (default {_join(RATES)})")
     p.add_argument("--requests", type=int, default=None, help="requests per rate (default 64; 6 with --quick)")
     p.add_argument("--image-fraction", type=float, default=0.5, help="share of image-heavy requests")
@@ -285,12 +365,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", default="gloo", choices=["gloo", "grpc"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench_out/serve.json", help="where to write the results (plots beside it)")
+    p.add_argument("--predict", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure engine profiles and compare duet plan's simulated latencies with the run's")
     p.add_argument("--quick", action="store_true", help="a few requests at one rate (tests), not for figures")
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.demo import default_model_dir
-
     rates = args.rates or (QUICK_RATES if args.quick else RATES)
     n = args.requests or (6 if args.quick else 64)
     args.output_mean = args.output_mean or (4.0 if args.quick else 32.0)
@@ -298,8 +378,8 @@ def run(args: argparse.Namespace) -> int:
         print("duet: error: --requests, --output-mean and --colocated-threads must be >= 1 and --image-fraction in "
               "[0, 1]", file=sys.stderr)
         return 2
-    model_dir = Path(args.model_dir) if args.model_dir else default_model_dir()
-    rows = _with_ray(lambda: _measure(args, model_dir, rates, n))
+    model_dir = resolve_model(args.model_dir)
+    rows, profiles = _with_ray(lambda: _measure(args, model_dir, rates, n))
     crit = criteria(rows, args.tpot_slo)
     print(serve_table(rows))
     for c in crit["checks"]:
@@ -308,6 +388,12 @@ def run(args: argparse.Namespace) -> int:
               f"(>= {MIN_GOODPUT_RATIO}) -> {'ok' if c['ok'] else 'MISSED'}")
     if crit["rates_colocated_wins"]:
         print(f"colocated goodput higher at {', '.join(f'{r:g}' for r in crit['rates_colocated_wins'])} req/s")
+    if crit["planner"]:
+        print(prediction_table(rows))
+        for c in crit["planner"]:
+            print(f"at {c['rate']:g} req/s duet plan's disaggregated TTFT/TPOT p50/p90 within "
+                  f"{fmt(100 * (c['max_abs_error'] or 0))}% of measured (<= {100 * serve_predict.TOLERANCE:g}%) -> "
+                  f"{'ok' if c['ok'] else 'MISSED'}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     pngs = plots(rows, out.parent)
@@ -318,8 +404,17 @@ def run(args: argparse.Namespace) -> int:
                      "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
                      "colocated_threads": args.colocated_threads, "kv_transport": args.kv_transport,
                      "rates": rows, "criteria": crit, "plots": pngs,
+                     "profiles": {k: v.__dict__ for k, v in (profiles or {}).items()},
                      "timestamp": dt.datetime.now(dt.timezone.utc).isoformat()})
     return 0
+
+
+def resolve_model(name: str | None) -> Path:
+    """A checkpoint directory from ``model_dir``: None -> the demo model, ``bench`` -> the bench model."""
+    from cluster.bench.engine_bench import bench_model_dir
+    from cluster.demo import default_model_dir
+
+    return default_model_dir() if not name else bench_model_dir() if name == "bench" else Path(name)
 
 
 def _with_ray(fn):

@@ -214,3 +214,24 @@ def test_requests_beyond_prefill_capacity_wait_at_the_front_end(ray_cluster, tin
         _assert_idle(c)
     finally:
         c.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="needs Linux CPU affinity")
+def test_pinned_workers_run_on_cores_of_their_own(ray_cluster, tiny_model_dir):
+    import os
+
+    import ray
+
+    from cluster import messages
+
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_seqs=8,
+                       max_model_len=128, request_timeout_s=60, pin_cpus=True)
+    c = DisaggCluster(spec)
+    try:
+        cpus = [messages.unpack(ray.get(w.actor.ping.remote(), timeout=30))["cpus"] for w in c.prefills + c.decodes]
+        n = os.cpu_count()
+        assert cpus == [[0], [1 % n]]
+        assert len(c.generate_batch([make_request(5, seed=3)], greedy(2))[0].token_ids) == 2
+        _assert_idle(c)
+    finally:
+        c.shutdown()

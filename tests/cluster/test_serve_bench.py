@@ -79,5 +79,16 @@ def test_quick_run_writes_the_figures(ray_cluster, tmp_path, capsys):
         assert s["goodput_req_s"] is not None and 0 <= s["slo_attainment"] <= 1
         assert all(r["tokens"] >= 1 for r in s["records"])
     assert {"p99_tpot", "goodput"} == set(row["ratios"])
-    assert set(got["criteria"]) >= {"checks", "met", "rates_colocated_wins"}
-    assert "colocated" in capsys.readouterr().out
+    assert set(got["criteria"]) >= {"checks", "met", "rates_colocated_wins", "planner", "planner_met"}
+    # the planner check: profiles of both systems, each rate's requests simulated, errors against the measurement
+    assert set(got["profiles"]) == {"workers", "colocated"}
+    assert all(p["decode_base_s"] + p["decode_per_seq_s"] > 0 and p["prefill_per_token_s"] > 0
+               for p in got["profiles"].values())
+    for name in ("colocated", "disaggregated"):
+        assert row["predicted"][name]["ttft_s"]["p50"] > 0 and row["predicted"][name]["tpot_s"]["p50"] > 0
+        assert row["prediction_errors"][f"{name}.ttft_s.p50"] == pytest.approx(
+            row["predicted"][name]["ttft_s"]["p50"] / row[name]["ttft_s"]["p50"] - 1)
+    (check,) = got["criteria"]["planner"]
+    assert check["rate"] == 4.0 and check["max_abs_error"] >= 0
+    out = capsys.readouterr().out
+    assert "colocated" in out and "TTFT p50 pred" in out

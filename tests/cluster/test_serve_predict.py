@@ -1,0 +1,60 @@
+"""The planner check of ``duet bench serve``: the simulated latencies of a run's own requests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cluster.bench.serve_bench import Arrival
+from cluster.bench.serve_predict import calibrate, errors, predict, requests_of, within
+from cluster.planner import Profile
+
+
+def _arrivals(times, outs, images=()):
+    return [Arrival(t, {"prompt": "x", **({"multi_modal_data": {"image": [None] * images[i]}}
+                                          if i < len(images) and images[i] else {})}, o, "text")
+            for i, (t, o) in enumerate(zip(times, outs, strict=True))]
+
+
+def test_requests_keep_the_run_s_arrivals_lengths_and_images():
+    arr = _arrivals([0.5, 1.0, 3.0], [4, 1, 9], images=[0, 2, 1])
+    req = requests_of(arr, [10, 600, 300], rate=2.0)
+    assert req.unit_arrivals.tolist() == [1.0, 2.0, 6.0]  # the simulators divide by the rate
+    assert req.prompt.tolist() == [10, 600, 300] and req.images.tolist() == [0, 2, 1]
+    assert req.output.tolist() == [4, 1, 9]
+
+
+def test_calibration_takes_the_median_cost_beyond_the_engine():
+    prof = Profile(prefill_base_s=0.01, prefill_per_token_s=1e-3, decode_base_s=0.01)
+    model = [0.01 + 1e-3 * n for n in (100, 200, 300)]
+    got = calibrate(prof, [m + x for m, x in zip(model, (0.04, 0.05, 0.5), strict=True)], [100, 200, 300], [0, 0, 0])
+    assert got.transfer_base_s == pytest.approx(0.05) and got.transfer_exposed_fraction == 1.0
+    assert calibrate(prof, [0.0, 0.0, 0.0], [100, 200, 300], [0, 0, 0]).transfer_base_s == 0.0  # never negative
+
+
+def test_prediction_far_apart_is_service_time_and_colocated_tpot_grows_with_prefill_interference():
+    prof = Profile(prefill_base_s=0.2, prefill_per_token_s=0.0, decode_base_s=0.01, transfer_base_s=0.03)
+    lone = requests_of(_arrivals([10.0 * i for i in range(20)], [11] * 20), [100] * 20, rate=1.0)
+    p = predict(prof, prof, lone, 1.0)
+    assert p["disaggregated"]["ttft_s"]["p50"] == pytest.approx(0.23)
+    assert p["disaggregated"]["tpot_s"]["p90"] == pytest.approx(0.01, rel=0.05)
+    assert p["colocated"]["tpot_s"]["p90"] == pytest.approx(0.01, rel=0.05)
+    # one arrival every 0.25 s: a colocated engine stops decoding for each 0.2 s prefill, a decode worker never does
+    busy = requests_of(_arrivals([0.25 * i for i in range(40)], [41] * 40), [100] * 40, rate=1.0)
+    p = predict(prof, prof, busy, 1.0)
+    assert p["disaggregated"]["tpot_s"]["p90"] == pytest.approx(0.01, rel=0.05)
+    assert p["colocated"]["tpot_s"]["p90"] > 3 * p["disaggregated"]["tpot_s"]["p90"]
+
+
+def test_errors_and_tolerance():
+    pct = lambda p50, p90: {"p50": p50, "p90": p90, "p99": None}
+    pred = {"disaggregated": {"ttft_s": pct(1.1, 2.0), "tpot_s": pct(0.01, 0.02)},
+            "colocated": {"ttft_s": pct(1.0, 1.0), "tpot_s": pct(None, 0.1)}}
+    meas = {"disaggregated": {"ttft_s": pct(1.0, 1.6), "tpot_s": pct(0.01, 0.02)},
+            "colocated": {"ttft_s": pct(0.5, 1.0), "tpot_s": pct(0.01, 0.0)}}
+    e = errors(pred, meas)
+    assert e["disaggregated.ttft_s.p50"] == pytest.approx(0.1) and e["disaggregated.ttft_s.p90"] == pytest.approx(0.25)
+    assert e["colocated.tpot_s.p50"] is None and e["colocated.tpot_s.p90"] is None  # nothing to compare
+    assert within(e) is True and within(e, "colocated") is False
+    assert within(e, tol=0.2) is False and within({}, "disaggregated") is None
+    assert np.isfinite(e["colocated.ttft_s.p50"])
