@@ -88,11 +88,27 @@ def fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return max(0.0, float(a)), max(0.0, float(b))
 
 
+def fit_quadratic(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+    """Least-squares ``y = a + b x + c x^2`` with every term >= 0 (refit without a term that came out negative)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    cols = [np.ones_like(x), x, x * x]
+    keep = [0, 1, 2]
+    while True:
+        coef = np.linalg.lstsq(np.stack([cols[k] for k in keep], 1), y, rcond=None)[0]
+        if (coef >= 0).all() or len(keep) == 1:
+            out = [0.0, 0.0, 0.0]
+            for k, v in zip(keep, coef, strict=True):
+                out[k] = max(0.0, float(v))
+            return out[0], out[1], out[2]
+        keep.pop(int(np.argmin(coef)))
+
+
 def measure_profile(transfer_json: Path | None = None, *, model_dir: Path | None = None, threads: int = 1,
-                    lens=(16, 64, 192, 384), batches=(1, 4, 16), contexts=(32, 512)) -> Profile:
+                    lens=(16, 64, 192, 384, 768, 1280), batches=(1, 4, 16), contexts=(32, 512)) -> Profile:
     """A profile of the in-process engine on ``model_dir`` (default: the demo model) with ``threads`` torch threads
-    (1: one worker's core): prefill at ``lens`` prompt tokens and once with an image; decode steps at ``batches``
-    sequences of ``contexts[0]`` tokens, and at ``contexts[-1]`` for the per-context-token term."""
+    (1: one worker's core): prefill at the ``lens`` (prompt tokens) the model's context allows, fitted with a
+    quadratic term (attention), and once with an image; decode steps at ``batches`` sequences of ``contexts[0]``
+    tokens, and at ``contexts[-1]`` for the per-context-token term."""
     import PIL.Image
     import torch
 
@@ -103,25 +119,27 @@ def measure_profile(transfer_json: Path | None = None, *, model_dir: Path | None
     cfg = json.loads((model / "config.json").read_text())
     img_id, tpi = cfg.get("image_token_index"), cfg.get("image_seq_length")
     size = (cfg.get("vision_config") or {}).get("image_size", 96)
-    vocab = cfg.get("text_config", cfg).get("vocab_size", 256)
+    text_cfg = cfg.get("text_config", cfg)
+    vocab = text_cfg.get("vocab_size", 256)
+    lens = [n for n in lens if 2 * n <= text_cfg.get("max_position_embeddings", 4096)] or list(lens[:1])
     rng = np.random.default_rng(0)
     text = lambda n: rng.integers(10, min(200, vocab), n).tolist()
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         llm = LLM(model, dtype="float32", max_num_seqs=max(batches), max_model_len=2 * max(*lens, *contexts, 64),
-                  enable_prefix_caching=False)
+                  max_num_batched_tokens=max(4096, 2 * max(lens)), enable_prefix_caching=False)
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         llm.generate([{"prompt_token_ids": text(32)}], one)  # warm-up
         best = lambda p: min(llm.generate([p], one)[0].metrics.ttft_s for _ in range(3))
         pre = [best({"prompt_token_ids": text(n)}) for n in lens]
-        base, per_tok = fit_line(np.array(lens), np.array(pre))
+        base, per_tok, per_tok2 = fit_quadratic(np.array(lens), np.array(pre))
         per_image = 0.0
         if img_id is not None and tpi:
-            n = max(lens[-1], tpi + 32)
+            n = max(lens[len(lens) // 2], tpi + 32)
             image = PIL.Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
             with_img = best({"prompt_token_ids": text(n - tpi) + [img_id] * tpi, "multi_modal_data": {"image": [image]}})
-            per_image = max(0.0, with_img - (base + n * per_tok))
+            per_image = max(0.0, with_img - (base + n * per_tok + n * n * per_tok2))
 
         def step_s(b: int, ctx: int) -> float:
             outs = llm.generate([{"prompt_token_ids": text(ctx)} for _ in range(b)],
@@ -139,7 +157,8 @@ def measure_profile(transfer_json: Path | None = None, *, model_dir: Path | None
         row = res[max(res, key=int)]
         exposed = next(iter(row["transports"].values()))["layerwise"]["exposed_s"] or 0.0
         per_kv_token, note = exposed / row["prompt_len"], f"transfer from {transfer_json}"
-    return Profile(prefill_base_s=base, prefill_per_token_s=per_tok, prefill_per_image_s=per_image,
+    return Profile(prefill_base_s=base, prefill_per_token_s=per_tok, prefill_per_token2_s=per_tok2,
+                   prefill_per_image_s=per_image,
                    decode_base_s=d_base, decode_per_seq_s=d_seq, decode_per_ctx_token_s=per_ctx, max_decode_batch=64,
                    transfer_per_token_s=per_kv_token,
                    source=f"measured: {model.name}, engine.LLM, {threads} thread(s), {time.strftime('%Y-%m-%d')}; "

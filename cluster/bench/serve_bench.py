@@ -64,9 +64,10 @@ class Arrival:
 
 # ----------------------------------------------------------------------------------------------------- pure helpers
 def make_workload(tok, n: int, rate: float, *, seed: int, image_fraction: float, output_mean: float,
-                  output_max: int) -> list[Arrival]:
+                  output_max: int, images: int = 0) -> list[Arrival]:
     """``n`` requests with Poisson arrivals at ``rate`` req/s; the same ``seed`` gives the same prompts, lengths and
-    gaps at every rate (only the time scale changes), so rates compare like for like."""
+    gaps at every rate (only the time scale changes), so rates compare like for like. ``images`` > 0 gives every
+    image request that many images (the question's own, repeated), 0 the question's own one or two."""
     from cluster.demo.tasks import corpus, make_dataset
 
     assert n >= 1 and rate > 0 and 0 <= image_fraction <= 1 and output_mean >= 1 and output_max >= 1
@@ -81,7 +82,11 @@ def make_workload(tok, n: int, rate: float, *, seed: int, image_fraction: float,
         t += float(gaps[i])
         if is_image[i]:
             e = examples[i]
-            prompt = {"prompt": _chat(tok, e.question), "multi_modal_data": {"image": e.images()}}
+            pics = e.images()
+            if images:
+                pics = [pics[k % len(pics)] for k in range(images)]
+            question = "<image>" * len(pics) + e.question.replace("<image>", "")
+            prompt = {"prompt": _chat(tok, question), "multi_modal_data": {"image": pics}}
         else:
             prompt = {"prompt": _chat(tok, " ".join(pick.choice(sentences) for _ in range(pick.randint(2, 8))))}
         arrivals.append(Arrival(t, prompt, int(outs[i]), "image" if is_image[i] else "text"))
@@ -254,7 +259,8 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
 
     llm = LLM(model_dir, enable_prefix_caching=False, **_setup(args.quick))
     spec = ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport=args.kv_transport,
-                       cpus_per_worker=1, pin_cpus=args.pin, **_setup(args.quick))
+                       cpus_per_worker=1, pin_cpus=args.pin, extra_engine={"enable_prefix_caching": False},
+                       **_setup(args.quick))
     cluster = DisaggCluster(spec)
     try:
         tok = llm.get_tokenizer()
@@ -265,7 +271,7 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
         rows = []
         for rate in rates:
             arrivals = make_workload(tok, n, rate, seed=args.seed, image_fraction=args.image_fraction,
-                                     output_mean=args.output_mean, output_max=args.output_max)
+                                     output_mean=args.output_mean, output_max=args.output_max, images=args.images)
             row: dict = {"rate": rate, "image_requests": sum(a.kind == "image" for a in arrivals)}
             for name, drive, target in (("colocated", drive_colocated, llm), ("disaggregated", drive_disagg, cluster)):
                 with tqdm(total=n, desc=f"{name} @ {rate:g} req/s", leave=False, file=sys.stderr) as bar:
@@ -302,12 +308,16 @@ def _profiles(args: argparse.Namespace, model_dir: Path, llm, cluster, tok) -> d
     _log("measuring engine profiles for the planner check")
     out = {"workers": measure_profile(model_dir=model_dir, threads=1),
            "colocated": measure_profile(model_dir=model_dir, threads=threads)}
-    probe = make_workload(tok, 6, 1.0, seed=args.seed + 2, image_fraction=0.5, output_mean=2, output_max=2)
+    probe = [dataclasses.replace(a, at_s=0.0, max_tokens=12) for frac in (0.0, 1.0) for a in
+             make_workload(tok, 4, 1.0, seed=args.seed + 2, image_fraction=frac, output_mean=2, output_max=2,
+                           images=args.images)]  # short and long prompts: calibrate fits a scale and a latency
     tokens = [_prompt_tokens(cluster, a) for a in probe]
     images = [len(a.prompt.get("multi_modal_data", {}).get("image", [])) for a in probe]
     for name, drive, target in (("workers", drive_disagg, cluster), ("colocated", drive_colocated, llm)):
-        ttfts = [drive(target, [dataclasses.replace(a, at_s=0.0)], _NoBar())[0]["ttft_s"] for a in probe]
-        out[name] = serve_predict.calibrate(out[name], ttfts, tokens, images)
+        drive(target, probe[-1:], _NoBar())  # the first prompt of this size pays one-off allocations
+        recs = [drive(target, [a], _NoBar())[0] for a in probe]
+        out[name] = serve_predict.calibrate(out[name], [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
+                                            tokens, images)
     return out
 
 
@@ -357,6 +367,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", type=_rates, default=None, help=f"comma list of req/s (default {_join(RATES)})")
     p.add_argument("--requests", type=int, default=None, help="requests per rate (default 64; 6 with --quick)")
     p.add_argument("--image-fraction", type=float, default=0.5, help="share of image-heavy requests")
+    p.add_argument("--images", type=int, default=0,
+                   help="images per image request (0: the demo question's own, one or two)")
     p.add_argument("--output-mean", type=float, default=None, help="mean output tokens (default 32; 4 with --quick)")
     p.add_argument("--output-max", type=int, default=128)
     p.add_argument("--ttft-slo", type=float, default=1.0, help="TTFT target, seconds")
@@ -374,9 +386,10 @@ def run(args: argparse.Namespace) -> int:
     rates = args.rates or (QUICK_RATES if args.quick else RATES)
     n = args.requests or (6 if args.quick else 64)
     args.output_mean = args.output_mean or (4.0 if args.quick else 32.0)
-    if n < 1 or not 0 <= args.image_fraction <= 1 or args.output_mean < 1 or args.colocated_threads < 1:
-        print("duet: error: --requests, --output-mean and --colocated-threads must be >= 1 and --image-fraction in "
-              "[0, 1]", file=sys.stderr)
+    if (n < 1 or not 0 <= args.image_fraction <= 1 or args.output_mean < 1 or args.colocated_threads < 1
+            or args.images < 0):
+        print("duet: error: --requests, --output-mean and --colocated-threads must be >= 1, --images >= 0 and "
+              "--image-fraction in [0, 1]", file=sys.stderr)
         return 2
     model_dir = resolve_model(args.model_dir)
     rows, profiles = _with_ray(lambda: _measure(args, model_dir, rates, n))
@@ -399,7 +412,8 @@ def run(args: argparse.Namespace) -> int:
     pngs = plots(rows, out.parent)
     print("plots: " + (", ".join(pngs) if pngs else "skipped (matplotlib not installed)"))
     write_json(out, {"model_dir": str(model_dir), "quick": args.quick, "requests_per_rate": n,
-                     "workload": {"image_fraction": args.image_fraction, "output_mean": args.output_mean,
+                     "workload": {"image_fraction": args.image_fraction, "images": args.images,
+                                  "output_mean": args.output_mean,
                                   "output_max": args.output_max, "seed": args.seed},
                      "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
                      "colocated_threads": args.colocated_threads, "kv_transport": args.kv_transport,

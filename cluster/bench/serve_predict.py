@@ -2,9 +2,9 @@
 
 Profiles come from the same checkpoint right before the run (:func:`cluster.plan_cmd.measure_profile`): one thread
 for the workers (each has one core) and ``--colocated-threads`` for the colocated engine. What the engine profile
-cannot see -- the front-end tokenising and PNG-encoding images, the Ray calls, the KV transfer's exposed part,
-streaming tokens back -- is measured by a few requests sent one at a time (:func:`calibrate`) and enters the profile as
-its fixed per-request cost (``transfer_base_s``). Each rate's own requests (arrival times, prompt tokens with images,
+cannot see -- images decoded on the worker, the KV streamed out from the same core, the Ray calls, the first token's
+way back -- is measured by a few short and long requests sent one at a time (:func:`calibrate`): a prefill scale
+and a fixed per-request latency, plus a fixed cost per decode step. Each rate's own requests (arrival times, prompt tokens with images,
 output lengths) are then simulated as that run served them: a one-worker prefill pool feeding one decode worker, and
 one colocated engine (:func:`predict`). :func:`errors` compares predicted with measured percentiles.
 """
@@ -30,14 +30,32 @@ def requests_of(arrivals, prompt_tokens: list[int], rate: float) -> Requests:
                     np.array(images, dtype=np.int64), np.array([a.max_tokens for a in arrivals], dtype=np.int64))
 
 
-def calibrate(prof: Profile, ttfts: list[float], prompt_tokens: list[int], images: list[int]) -> Profile:
-    """``prof`` with its fixed per-request cost set from requests served one at a time: the median of their measured
-    TTFT minus the profile's prefill time (never below 0)."""
-    model = prof.prefill_s(np.array(prompt_tokens), np.array(images))
-    extra = max(0.0, float(np.median(np.array(ttfts) - model)))
-    return dataclasses.replace(prof, transfer_base_s=extra, transfer_per_token_s=0.0, transfer_exposed_fraction=1.0,
-                               source=f"{prof.source}; fixed per-request cost {extra * 1e3:.1f} ms measured "
-                                      f"{time.strftime('%Y-%m-%d')}")
+def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prompt_tokens: list[int],
+              images: list[int]) -> Profile:
+    """``prof`` fitted to its serving path, from requests served one at a time (a mix of short and long prompts):
+    the measured TTFTs regressed (Theil-Sen) on the profile's prefill times, ``TTFT = latency + scale x prefill``, give how much
+    slower the path's prefill is than the bare engine's (``scale``: image decoding, streaming the KV out, the
+    actor's other threads on the same core -- all serialised on the worker, so the prefill terms are scaled by it)
+    and a fixed per-request latency (RPCs, the transfer's tail, the first token's way back: ``transfer_base_s``).
+    The fixed per-step cost is the median of their TPOT minus the profile's one-sequence decode step. Every term
+    stays >= 0 and the scale >= 1."""
+    prompt = np.array(prompt_tokens)
+    engine = prof.prefill_s(prompt, np.array(images))
+    ttft = np.array(ttfts)
+    slopes = [(ttft[j] - ttft[i]) / (engine[j] - engine[i]) for i in range(len(engine))
+              for j in range(i + 1, len(engine)) if abs(engine[j] - engine[i]) > 1e-6]
+    scale = max(1.0, float(np.median(slopes))) if slopes else 1.0  # Theil-Sen: one slow outlier does not tilt it
+    latency = max(0.0, float(np.median(ttft - scale * engine)))
+    step = [t - (prof.decode_base_s + prof.decode_per_seq_s + (p + 1) * prof.decode_per_ctx_token_s)
+            for t, p in zip(tpots, prompt_tokens, strict=True) if t is not None]
+    per_step = max(0.0, float(np.median(step))) if step else 0.0
+    return dataclasses.replace(
+        prof, prefill_base_s=prof.prefill_base_s * scale, prefill_per_token_s=prof.prefill_per_token_s * scale,
+        prefill_per_token2_s=prof.prefill_per_token2_s * scale, prefill_per_image_s=prof.prefill_per_image_s * scale,
+        transfer_base_s=latency, transfer_per_token_s=0.0, transfer_exposed_fraction=1.0,
+        decode_base_s=prof.decode_base_s + per_step,
+        source=f"{prof.source}; serving path: prefill x{scale:.2f}, +{latency * 1e3:.1f} ms per request, "
+               f"+{per_step * 1e3:.2f} ms per decode step, measured {time.strftime('%Y-%m-%d')}")
 
 
 def _pcts(xs: np.ndarray) -> dict:

@@ -24,12 +24,20 @@ def test_requests_keep_the_run_s_arrivals_lengths_and_images():
     assert req.output.tolist() == [4, 1, 9]
 
 
-def test_calibration_takes_the_median_cost_beyond_the_engine():
+def test_calibration_fits_the_path_s_prefill_scale_and_latency():
     prof = Profile(prefill_base_s=0.01, prefill_per_token_s=1e-3, decode_base_s=0.01)
-    model = [0.01 + 1e-3 * n for n in (100, 200, 300)]
-    got = calibrate(prof, [m + x for m, x in zip(model, (0.04, 0.05, 0.5), strict=True)], [100, 200, 300], [0, 0, 0])
-    assert got.transfer_base_s == pytest.approx(0.05) and got.transfer_exposed_fraction == 1.0
-    assert calibrate(prof, [0.0, 0.0, 0.0], [100, 200, 300], [0, 0, 0]).transfer_base_s == 0.0  # never negative
+    tokens = [50, 100, 200, 300, 400]
+    engine = [0.01 + 1e-3 * n for n in tokens]
+    ttfts = [0.08 + 1.5 * e for e in engine]  # the path: 1.5x slower prefill, 80 ms of latency
+    got = calibrate(prof, ttfts, [0.012, 0.013, None, 0.0125, 0.013], tokens, [0] * 5)
+    assert got.prefill_per_token_s == pytest.approx(1.5e-3) and got.prefill_base_s == pytest.approx(0.015)
+    assert got.transfer_base_s == pytest.approx(0.08) and got.transfer_exposed_fraction == 1.0
+    assert got.decode_base_s == pytest.approx(0.01275)  # + the median 2.75 ms per step beyond the engine's
+    fast = calibrate(prof, engine, [None] * 5, tokens, [0] * 5)  # a path no slower than the engine: nothing added
+    assert fast.prefill_per_token_s == pytest.approx(1e-3) and fast.transfer_base_s == pytest.approx(0, abs=1e-9)
+    assert fast.decode_base_s == 0.01
+    same = calibrate(prof, [0.2, 0.3], [None] * 2, [100, 100], [0, 0])  # one prompt size: latency only
+    assert same.prefill_per_token_s == 1e-3 and same.transfer_base_s == pytest.approx(0.14)
 
 
 def test_prediction_far_apart_is_service_time_and_colocated_tpot_grows_with_prefill_interference():
