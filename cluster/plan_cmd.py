@@ -121,13 +121,18 @@ def measure_profile(transfer_json: Path | None = None, *, model_dir: Path | None
     size = (cfg.get("vision_config") or {}).get("image_size", 96)
     text_cfg = cfg.get("text_config", cfg)
     vocab = text_cfg.get("vocab_size", 256)
-    lens = [n for n in lens if 2 * n <= text_cfg.get("max_position_embeddings", 4096)] or list(lens[:1])
+    max_pos = text_cfg.get("max_position_embeddings", 4096)
+    lens = [n for n in lens if 2 * n <= max_pos] or list(lens[:1])
+    contexts = [c for c in contexts if c + 32 <= max_pos]  # a decode of 16 tokens must fit
+    if len(contexts) < 2:
+        contexts = [max(16, max_pos // 8), max_pos // 2]
     rng = np.random.default_rng(0)
     text = lambda n: rng.integers(10, min(200, vocab), n).tolist()
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        llm = LLM(model, dtype="float32", max_num_seqs=max(batches), max_model_len=2 * max(*lens, *contexts, 64),
+        llm = LLM(model, dtype="float32", max_num_seqs=max(batches),
+                  max_model_len=min(max_pos, 2 * max(*lens, *contexts, 64)),
                   max_num_batched_tokens=max(4096, 2 * max(lens)), enable_prefix_caching=False)
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         llm.generate([{"prompt_token_ids": text(32)}], one)  # warm-up

@@ -306,8 +306,12 @@ def _profiles(args: argparse.Namespace, model_dir: Path, llm, cluster, tok) -> d
 
     threads = torch.get_num_threads()
     _log("measuring engine profiles for the planner check")
-    out = {"workers": measure_profile(model_dir=model_dir, threads=1),
-           "colocated": measure_profile(model_dir=model_dir, threads=threads)}
+    # decode batches as small as this load runs them, at a context like its prompts': an MoE step's cost per sequence
+    # falls as more sequences share the experts they touch, and grows with what each one attends to, so a fit over
+    # 1-16 sequences of 32 tokens underestimates the steps of 2-5 long sequences seen here
+    shape = {"batches": (1, 2, 4, 8), "contexts": (512, 1024)}
+    out = {"workers": measure_profile(model_dir=model_dir, threads=1, **shape),
+           "colocated": measure_profile(model_dir=model_dir, threads=threads, **shape)}
     probe = [dataclasses.replace(a, at_s=0.0, max_tokens=12) for frac in (0.0, 1.0) for a in
              make_workload(tok, 4, 1.0, seed=args.seed + 2, image_fraction=frac, output_mean=2, output_max=2,
                            images=args.images)]  # short and long prompts: calibrate fits a scale and a latency
@@ -315,10 +319,23 @@ def _profiles(args: argparse.Namespace, model_dir: Path, llm, cluster, tok) -> d
     images = [len(a.prompt.get("multi_modal_data", {}).get("image", [])) for a in probe]
     for name, drive, target in (("workers", drive_disagg, cluster), ("colocated", drive_colocated, llm)):
         drive(target, probe[-1:], _NoBar())  # the first prompt of this size pays one-off allocations
-        recs = [drive(target, [a], _NoBar())[0] for a in probe]
+        recs, busy = [], []
+        for a in probe:
+            before = _prefill_busy_s(cluster) if name == "workers" else 0.0
+            recs.append(drive(target, [a], _NoBar())[0])
+            busy.append(_prefill_busy_s(cluster) - before if name == "workers" else 0.0)
         out[name] = serve_predict.calibrate(out[name], [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
-                                            tokens, images)
+                                            tokens, images, service=busy if name == "workers" else None)
     return out
+
+
+def _prefill_busy_s(cluster) -> float:
+    """Seconds the (one) prefill worker has spent taking requests in and prefilling them."""
+    import ray
+
+    from cluster import messages
+
+    return float(messages.unpack(ray.get(cluster.prefills[0].actor.stats.remote(), timeout=30))["busy_s"])
 
 
 def _log(msg: str) -> None:

@@ -31,31 +31,49 @@ def requests_of(arrivals, prompt_tokens: list[int], rate: float) -> Requests:
 
 
 def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prompt_tokens: list[int],
-              images: list[int]) -> Profile:
-    """``prof`` fitted to its serving path, from requests served one at a time (a mix of short and long prompts):
-    the measured TTFTs regressed (Theil-Sen) on the profile's prefill times, ``TTFT = latency + scale x prefill``, give how much
-    slower the path's prefill is than the bare engine's (``scale``: image decoding, streaming the KV out, the
-    actor's other threads on the same core -- all serialised on the worker, so the prefill terms are scaled by it)
-    and a fixed per-request latency (RPCs, the transfer's tail, the first token's way back: ``transfer_base_s``).
-    The fixed per-step cost is the median of their TPOT minus the profile's one-sequence decode step. Every term
-    stays >= 0 and the scale >= 1."""
+              images: list[int], service: list[float] | None = None) -> Profile:
+    """``prof`` fitted to its serving path, from requests served one at a time (a mix of short and long prompts).
+
+    The path's prefill is slower than the bare engine's (images decoded on the worker, the KV streamed out from the
+    same core, the actor's other threads): its prefill terms are scaled by the Theil-Sen slope of the time the worker
+    was busy per request (``service``, when the worker reports it) -- or, without it, of the measured TTFT -- against
+    the profile's prefill time. What TTFT has beyond the scaled prefill is a fixed per-request latency that does not
+    occupy the worker (RPCs, the KV's tail, the first token's way back): ``transfer_base_s``; with ``service`` it is
+    fitted as ``a + b x prompt tokens`` (``transfer_base_s``, ``transfer_per_token_s``). Their TPOTs (one sequence
+    each) give the path's decode step: its cost per context token (Theil-Sen against the prompt length) and a fixed
+    per-step correction (negative when the profile's batch fit overshoots at one sequence)."""
     prompt = np.array(prompt_tokens)
     engine = prof.prefill_s(prompt, np.array(images))
     ttft = np.array(ttfts)
-    slopes = [(ttft[j] - ttft[i]) / (engine[j] - engine[i]) for i in range(len(engine))
-              for j in range(i + 1, len(engine)) if abs(engine[j] - engine[i]) > 1e-6]
-    scale = max(1.0, float(np.median(slopes))) if slopes else 1.0  # Theil-Sen: one slow outlier does not tilt it
-    latency = max(0.0, float(np.median(ttft - scale * engine)))
-    step = [t - (prof.decode_base_s + prof.decode_per_seq_s + (p + 1) * prof.decode_per_ctx_token_s)
-            for t, p in zip(tpots, prompt_tokens, strict=True) if t is not None]
-    per_step = max(0.0, float(np.median(step))) if step else 0.0
+    y = np.array(service) if service is not None else ttft
+    scale = _theil_sen(engine, y) or 1.0
+    scale = max(0.1, scale) if service is not None else max(1.0, scale)
+    rest = ttft - scale * engine  # latency that does not occupy the worker; the KV's tail grows with the prompt
+    per_token = max(0.0, _theil_sen(prompt.astype(float), rest) or 0.0) if service is not None else 0.0
+    latency = max(0.0, float(np.median(rest - per_token * prompt)))
+    measured = [(p, t) for p, t in zip(prompt_tokens, tpots, strict=True) if t is not None]
+    per_ctx = prof.decode_per_ctx_token_s
+    if len({p for p, _ in measured}) > 1:  # a one-sequence step on the path, against its context
+        per_ctx = max(0.0, _theil_sen(np.array([p for p, _ in measured], float), np.array([t for _, t in measured])))
+    one_seq = prof.decode_base_s + prof.decode_per_seq_s
+    step = [t - (one_seq + p * per_ctx) for p, t in measured]
+    per_step = float(np.median(step)) if step else 0.0
+    per_step = max(per_step, 1e-6 - prof.decode_base_s)  # a step still takes time
     return dataclasses.replace(
         prof, prefill_base_s=prof.prefill_base_s * scale, prefill_per_token_s=prof.prefill_per_token_s * scale,
         prefill_per_token2_s=prof.prefill_per_token2_s * scale, prefill_per_image_s=prof.prefill_per_image_s * scale,
-        transfer_base_s=latency, transfer_per_token_s=0.0, transfer_exposed_fraction=1.0,
-        decode_base_s=prof.decode_base_s + per_step,
-        source=f"{prof.source}; serving path: prefill x{scale:.2f}, +{latency * 1e3:.1f} ms per request, "
-               f"+{per_step * 1e3:.2f} ms per decode step, measured {time.strftime('%Y-%m-%d')}")
+        transfer_base_s=latency, transfer_per_token_s=per_token, transfer_exposed_fraction=1.0,
+        decode_base_s=prof.decode_base_s + per_step, decode_per_ctx_token_s=per_ctx,
+        source=f"{prof.source}; serving path: prefill x{scale:.2f}, +{latency * 1e3:.1f} ms per request "
+               f"+{per_token * 1e6:.1f} us per prompt token, {per_step * 1e3:+.2f} ms per decode step "
+               f"+{per_ctx * 1e6:.2f} us per context token, measured {time.strftime('%Y-%m-%d')}")
+
+
+def _theil_sen(x: np.ndarray, y: np.ndarray) -> float | None:
+    """The median of pairwise slopes of ``y`` against ``x`` (None without two distinct x): robust to an outlier."""
+    slopes = [(y[j] - y[i]) / (x[j] - x[i]) for i in range(len(x)) for j in range(i + 1, len(x))
+              if abs(x[j] - x[i]) > 1e-9]
+    return float(np.median(slopes)) if slopes else None
 
 
 def _pcts(xs: np.ndarray) -> dict:

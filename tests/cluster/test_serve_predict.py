@@ -29,15 +29,23 @@ def test_calibration_fits_the_path_s_prefill_scale_and_latency():
     tokens = [50, 100, 200, 300, 400]
     engine = [0.01 + 1e-3 * n for n in tokens]
     ttfts = [0.08 + 1.5 * e for e in engine]  # the path: 1.5x slower prefill, 80 ms of latency
-    got = calibrate(prof, ttfts, [0.012, 0.013, None, 0.0125, 0.013], tokens, [0] * 5)
+    tpots = [0.009 + 2e-6 * n for n in tokens]  # one-sequence steps on the path: 9 ms + 2 us per context token
+    tpots[2] = None  # a one-token output has no TPOT
+    got = calibrate(prof, ttfts, tpots, tokens, [0] * 5)
     assert got.prefill_per_token_s == pytest.approx(1.5e-3) and got.prefill_base_s == pytest.approx(0.015)
     assert got.transfer_base_s == pytest.approx(0.08) and got.transfer_exposed_fraction == 1.0
-    assert got.decode_base_s == pytest.approx(0.01275)  # + the median 2.75 ms per step beyond the engine's
+    assert got.decode_per_ctx_token_s == pytest.approx(2e-6) and got.decode_base_s == pytest.approx(0.009)
     fast = calibrate(prof, engine, [None] * 5, tokens, [0] * 5)  # a path no slower than the engine: nothing added
     assert fast.prefill_per_token_s == pytest.approx(1e-3) and fast.transfer_base_s == pytest.approx(0, abs=1e-9)
     assert fast.decode_base_s == 0.01
     same = calibrate(prof, [0.2, 0.3], [None] * 2, [100, 100], [0, 0])  # one prompt size: latency only
     assert same.prefill_per_token_s == 1e-3 and same.transfer_base_s == pytest.approx(0.14)
+    # the worker's busy time separates its serialised work (x1.2 here) from latency the worker is not busy for
+    busy = [1.2 * e for e in engine]
+    split = calibrate(prof, ttfts, [None] * 5, tokens, [0] * 5, service=busy)
+    assert split.prefill_per_token_s == pytest.approx(1.2e-3)
+    # what is left, 0.08 + 0.3 * (0.01 + 1e-3 n), is a latency of 83 ms + 0.3 ms per prompt token
+    assert split.transfer_base_s == pytest.approx(0.083) and split.transfer_per_token_s == pytest.approx(3e-4)
 
 
 def test_prediction_far_apart_is_service_time_and_colocated_tpot_grows_with_prefill_interference():
