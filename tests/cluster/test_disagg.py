@@ -197,10 +197,10 @@ def test_bad_compression_policy_is_rejected_before_anything_starts(tiny_model_di
 
 def test_requests_beyond_prefill_capacity_wait_at_the_front_end(ray_cluster, tiny_model_dir):
     """With room for one prompt at a time on the prefill worker and a slow prefill, a burst still succeeds on its
-    first attempt: later requests wait at the front-end instead of holding leases (2 s here) that would expire in
-    the prefill queue."""
+    first attempt: later requests wait at the front-end instead of holding leases (3 s here: a third of the ~6 s the
+    last prompt would wait in the prefill queue) that would expire there."""
     spec = ClusterSpec(model_dir=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_seqs=8,
-                       max_num_batched_tokens=12, max_model_len=128, request_timeout_s=60, lease_base_s=2.0,
+                       max_num_batched_tokens=12, max_model_len=128, request_timeout_s=60, lease_base_s=3.0,
                        max_prefill_queue_tokens=1)
     c = DisaggCluster(spec)
     try:
