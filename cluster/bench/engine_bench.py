@@ -20,7 +20,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from cluster.bench.machine import decode_bound, measure_machine
-from cluster.bench.report import machine_table, scenario_table, write_json
+from cluster.bench.report import log, machine_table, scenario_table, write_json
 
 SCENARIOS = ("uniform1", "uniform32", "mixed")
 BENCH_MODEL_NAME = "bench-llava-moe-v1"
@@ -183,9 +182,6 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-def _log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
 
 def bench_model_dir() -> Path:
     """The default bench checkpoint, built on first use (atomic rename: a concurrent builder just loses its copy)."""
@@ -193,7 +189,7 @@ def bench_model_dir() -> Path:
     from engine.checkpoints import make_bench_checkpoint
 
     if not (duet_home() / "models" / BENCH_MODEL_NAME / "config.json").is_file():
-        _log(f"building the bench model into {duet_home() / 'models' / BENCH_MODEL_NAME} (once)")
+        log(f"building the bench model into {duet_home() / 'models' / BENCH_MODEL_NAME} (once)")
     return cached_model(BENCH_MODEL_NAME, make_bench_checkpoint)
 
 
@@ -212,9 +208,9 @@ def _run_scenario(spec: ScenarioSpec, llm, hf, token_ids: np.ndarray, args: argp
     for r in range(args.repeat):
         w = make_workload(spec, token_ids, args.seed, variant=r)
         d, d_tok = run_duet(llm, w)
-        _log(f"{spec.label} {r + 1}/{args.repeat}: duet {d['wall_s']:.2f} s ({d['tokens_per_s']:.1f} tok/s)")
+        log(f"{spec.label} {r + 1}/{args.repeat}: duet {d['wall_s']:.2f} s ({d['tokens_per_s']:.1f} tok/s)")
         h, h_tok = run_hf(hf, w, spec.hf_batch)
-        _log(f"{spec.label} {r + 1}/{args.repeat}: transformers {h['wall_s']:.2f} s ({h['tokens_per_s']:.1f} tok/s)")
+        log(f"{spec.label} {r + 1}/{args.repeat}: transformers {h['wall_s']:.2f} s ({h['tokens_per_s']:.1f} tok/s)")
         best_d = d if best_d is None or d["wall_s"] < best_d["wall_s"] else best_d
         best_h = h if best_h is None or h["wall_s"] < best_h["wall_s"] else best_h
         match.append(sum(a == b for a, b in zip(d_tok, h_tok, strict=True)))
@@ -246,9 +242,9 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model_dir) if args.model_dir else bench_model_dir()
     load_start = os.getloadavg()  # the machine is shared: record how busy it was
     specs = {k: v for k, v in scenario_specs(args.quick).items() if k in args.scenarios}
-    _log(f"measuring the machine ({torch.get_num_threads()} torch threads)")
+    log(f"measuring the machine ({torch.get_num_threads()} torch threads)")
     rates = measure_machine(quick=args.quick, device=args.device)
-    _log(f"loading {model_dir} into Duet and transformers ({args.dtype}, {args.device})")
+    log(f"loading {model_dir} into Duet and transformers ({args.dtype}, {args.device})")
     llm = LLM(model_dir, dtype=args.dtype, device=args.device, max_num_seqs=MAX_NUM_SEQS)
     hf = load_hf(model_dir, args.dtype, args.device)
     token_ids = usable_token_ids(model_dir)
@@ -273,5 +269,5 @@ def run(args: argparse.Namespace) -> int:
     if bound:
         print()
         print(machine_table(doc["machine"], bound))
-    _log(f"wrote {path}")
+    log(f"wrote {path}")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,7 +42,7 @@ def scenario_table(scenarios: dict[str, dict]) -> str:
     for s in scenarios.values():
         d, h = s["duet"], s["hf"]
         rows.append([s["label"], fmt(d["tokens_per_s"]), fmt(h["tokens_per_s"]), fmt(s["ratio"], 2),
-                     fmt(d["wall_s"], 2), fmt(h["wall_s"], 2), fmt(_ms(d["mean_ttft_s"])), fmt(_ms(d["mean_tpot_s"])),
+                     fmt(d["wall_s"], 2), fmt(h["wall_s"], 2), fmt(ms(d["mean_ttft_s"])), fmt(ms(d["mean_tpot_s"])),
                      f"{s['requests_matching_hf']}/{s['spec']['num_requests']}"])
     return format_table(header, rows)
 
@@ -57,12 +58,18 @@ def machine_table(machine: dict, bound: dict[str, dict]) -> str:
         frac = b["fraction_of_bound"]
         rows.append([b["label"], fmt(b["bytes_per_step"] / 1e6), fmt(b["flops_per_step"] / 1e6),
                      fmt(b["bound_step_s"] * 1e3, 2), b["limited_by"], fmt(b["bound_tokens_per_s"]),
-                     fmt(_ms(b["measured_step_s"]), 2), "-" if frac is None else f"{frac:.0%}"])
+                     fmt(ms(b["measured_step_s"]), 2), "-" if frac is None else f"{frac:.0%}"])
     return head + "\n" + format_table(header, rows)
 
 
-def _ms(seconds: float | None) -> float | None:
+def ms(seconds: float | None) -> float | None:
+    """Seconds as milliseconds (None stays None)."""
     return None if seconds is None else seconds * 1e3
+
+
+def log(msg: str) -> None:
+    """A benchmark's progress line, on stderr (the table and JSON are the results)."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def write_json(path: str | os.PathLike, obj: object) -> Path:

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.bench import serve_predict
-from cluster.bench.report import fmt, format_table, write_json
+from cluster.bench.report import fmt, format_table, log, ms, write_json
 
 RATES = (0.5, 1.0, 2.0, 4.0)
 QUICK_RATES = (4.0,)
@@ -60,6 +60,10 @@ class Arrival:
     prompt: dict
     max_tokens: int
     kind: str  # "text" | "image"
+
+    @property
+    def images(self) -> int:
+        return len(self.prompt.get("multi_modal_data", {}).get("image", []))
 
 
 # ----------------------------------------------------------------------------------------------------- pure helpers
@@ -132,10 +136,7 @@ def criteria(rows: list[dict], tpot_slo: float) -> dict:
                "ok": (r["ratios"]["p99_tpot"] or math.inf) <= MAX_TPOT_RATIO
                and (r["ratios"]["goodput"] or 0) >= MIN_GOODPUT_RATIO} for r in at]
     colocated_wins = [r["rate"] for r in rows if (r["ratios"]["goodput"] or 0) < 1.0]
-    planner = [{"rate": r["rate"], "ok": serve_predict.within(r["prediction_errors"]),
-                "max_abs_error": max((abs(v) for k, v in r["prediction_errors"].items()
-                                      if k.startswith("disaggregated.") and v is not None), default=None)}
-               for r in rows if "prediction_errors" in r]
+    planner = serve_predict.checks(rows)
     return {"max_p99_tpot_ratio": MAX_TPOT_RATIO, "min_goodput_ratio": MIN_GOODPUT_RATIO, "checks": checks,
             "met": all(c["ok"] for c in checks) if checks else None, "rates_colocated_wins": colocated_wins,
             "planner_tolerance": serve_predict.TOLERANCE, "planner": planner,
@@ -149,35 +150,13 @@ def serve_table(rows: list[dict]) -> str:
     for r in rows:
         for name in SYSTEMS:
             s = r[name]
-            ms = lambda d, k: fmt(None if d[k] is None else d[k] * 1e3)
+            in_ms = lambda d, k: fmt(ms(d[k]))
             out.append([f"{r['rate']:g}/s", name, f"{s['completed']}/{s['requests']}",
-                        *(ms(s["ttft_s"], k) for k in ("p50", "p90", "p99")),
-                        *(ms(s["tpot_s"], k) for k in ("p50", "p90", "p99")),
+                        *(in_ms(s["ttft_s"], k) for k in ("p50", "p90", "p99")),
+                        *(in_ms(s["tpot_s"], k) for k in ("p50", "p90", "p99")),
                         fmt(s["throughput_req_s"], 2), fmt(s["throughput_tok_s"], 1), fmt(s["goodput_req_s"], 2),
                         fmt(None if s["slo_attainment"] is None else 100 * s["slo_attainment"])])
     return format_table(header, out)
-
-
-def prediction_table(rows: list[dict]) -> str:
-    """Planner-predicted against measured TTFT / TPOT p50 and p90 (ms) per rate and system."""
-    header = ["rate", "system", "TTFT p50 pred", "meas", "p90 pred", "meas", "TPOT p50 pred", "meas", "p90 pred",
-              "meas", "max |err| %"]
-    out = []
-    for r in rows:
-        if "predicted" not in r:
-            continue
-        for name in SYSTEMS:
-            cells = []
-            for metric in serve_predict.CHECKED:
-                for q in serve_predict.QUANTILES:
-                    cells += [fmt(_ms(r["predicted"][name][metric][q])), fmt(_ms(r[name][metric][q]))]
-            errs = [abs(v) for k, v in r["prediction_errors"].items() if k.startswith(name + ".") and v is not None]
-            out.append([f"{r['rate']:g}/s", name, *cells, fmt(100 * max(errs) if errs else None)])
-    return format_table(header, out)
-
-
-def _ms(x: float | None) -> float | None:
-    return None if x is None else x * 1e3
 
 
 # ------------------------------------------------------------------------------------------------------ measurement
@@ -268,6 +247,7 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
         drive_colocated(llm, warm, _NoBar())
         drive_disagg(cluster, warm, _NoBar())
         profiles = _profiles(args, model_dir, llm, cluster, tok) if args.predict else None
+        prompt_tokens: list[int] | None = None  # the same prompts at every rate (only the times scale): count once
         rows = []
         for rate in rates:
             arrivals = make_workload(tok, n, rate, seed=args.seed, image_fraction=args.image_fraction,
@@ -281,7 +261,8 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
             row["ratios"] = {"p99_tpot": ratio(d["tpot_s"]["p99"], c["tpot_s"]["p99"]),
                              "goodput": ratio(d["goodput_req_s"], c["goodput_req_s"])}
             if profiles is not None:
-                req = serve_predict.requests_of(arrivals, [_prompt_tokens(cluster, a) for a in arrivals], rate)
+                prompt_tokens = prompt_tokens or [_prompt_tokens(cluster, a) for a in arrivals]
+                req = serve_predict.requests_of(arrivals, prompt_tokens, rate)
                 row["predicted"] = serve_predict.predict(profiles["workers"], profiles["colocated"], req, rate)
                 row["prediction_errors"] = serve_predict.errors(row["predicted"], row)
             rows.append(row)
@@ -305,7 +286,7 @@ def _profiles(args: argparse.Namespace, model_dir: Path, llm, cluster, tok) -> d
     from cluster.plan_cmd import measure_profile
 
     threads = torch.get_num_threads()
-    _log("measuring engine profiles for the planner check")
+    log("measuring engine profiles for the planner check")
     # decode batches as small as this load runs them, at a context like its prompts': an MoE step's cost per sequence
     # falls as more sequences share the experts they touch, and grows with what each one attends to, so a fit over
     # 1-16 sequences of 32 tokens underestimates the steps of 2-5 long sequences seen here
@@ -316,16 +297,18 @@ def _profiles(args: argparse.Namespace, model_dir: Path, llm, cluster, tok) -> d
              make_workload(tok, 4, 1.0, seed=args.seed + 2, image_fraction=frac, output_mean=2, output_max=2,
                            images=args.images)]  # short and long prompts: calibrate fits a scale and a latency
     tokens = [_prompt_tokens(cluster, a) for a in probe]
-    images = [len(a.prompt.get("multi_modal_data", {}).get("image", [])) for a in probe]
+    # the prefill worker reports its busy time; the colocated engine has no such split (None)
+    busy_s = {"workers": lambda: _prefill_busy_s(cluster), "colocated": None}
     for name, drive, target in (("workers", drive_disagg, cluster), ("colocated", drive_colocated, llm)):
         drive(target, probe[-1:], _NoBar())  # the first prompt of this size pays one-off allocations
-        recs, busy = [], []
+        recs, service = [], [] if busy_s[name] else None
         for a in probe:
-            before = _prefill_busy_s(cluster) if name == "workers" else 0.0
+            before = busy_s[name]() if busy_s[name] else 0.0
             recs.append(drive(target, [a], _NoBar())[0])
-            busy.append(_prefill_busy_s(cluster) - before if name == "workers" else 0.0)
+            if service is not None:
+                service.append(busy_s[name]() - before)
         out[name] = serve_predict.calibrate(out[name], [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
-                                            tokens, images, service=busy if name == "workers" else None)
+                                            tokens, [a.images for a in probe], service=service)
     return out
 
 
@@ -336,10 +319,6 @@ def _prefill_busy_s(cluster) -> float:
     from cluster import messages
 
     return float(messages.unpack(ray.get(cluster.prefills[0].actor.stats.remote(), timeout=30))["busy_s"])
-
-
-def _log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 class _NoBar:
@@ -419,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
     if crit["rates_colocated_wins"]:
         print(f"colocated goodput higher at {', '.join(f'{r:g}' for r in crit['rates_colocated_wins'])} req/s")
     if crit["planner"]:
-        print(prediction_table(rows))
+        print(serve_predict.table(rows))
         for c in crit["planner"]:
             print(f"at {c['rate']:g} req/s duet plan's disaggregated TTFT/TPOT p50/p90 within "
                   f"{fmt(100 * (c['max_abs_error'] or 0))}% of measured (<= {100 * serve_predict.TOLERANCE:g}%) -> "

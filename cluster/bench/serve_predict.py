@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from cluster.bench.report import fmt, format_table, ms
 from cluster.planner import Profile, Requests, simulate_colocated_gpu, simulate_decode_worker, simulate_prefill_pool
 
 TOLERANCE = 0.25  # the issue's bound on |predicted / measured - 1|
@@ -25,9 +26,9 @@ QUANTILES = ("p50", "p90")
 
 def requests_of(arrivals, prompt_tokens: list[int], rate: float) -> Requests:
     """The planner's view of one rate's requests (its arrival times at unit rate, as the simulators take them)."""
-    images = [len(a.prompt.get("multi_modal_data", {}).get("image", [])) for a in arrivals]
     return Requests(np.array([a.at_s * rate for a in arrivals]), np.array(prompt_tokens, dtype=np.int64),
-                    np.array(images, dtype=np.int64), np.array([a.max_tokens for a in arrivals], dtype=np.int64))
+                    np.array([a.images for a in arrivals], dtype=np.int64),
+                    np.array([a.max_tokens for a in arrivals], dtype=np.int64))
 
 
 def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prompt_tokens: list[int],
@@ -107,7 +108,32 @@ def errors(predicted: dict, measured: dict) -> dict:
     return out
 
 
+def max_error(errs: dict, system: str = "disaggregated") -> float | None:
+    """The largest ``|error|`` of ``system`` (None when none could be computed)."""
+    return max((abs(v) for k, v in errs.items() if k.startswith(system + ".") and v is not None), default=None)
+
+
 def within(errs: dict, system: str = "disaggregated", tol: float = TOLERANCE) -> bool | None:
     """Whether every checked error of ``system`` is within ``tol`` (None when none could be computed)."""
-    vals = [v for k, v in errs.items() if k.startswith(system + ".") and v is not None]
-    return all(abs(v) <= tol for v in vals) if vals else None
+    worst = max_error(errs, system)
+    return None if worst is None else worst <= tol
+
+
+def checks(rows: list[dict]) -> list[dict]:
+    """Per measured rate with predictions: the disaggregated run's largest error and whether it is within bounds."""
+    return [{"rate": r["rate"], "ok": within(r["prediction_errors"]), "max_abs_error": max_error(r["prediction_errors"])}
+            for r in rows if "prediction_errors" in r]
+
+
+def table(rows: list[dict]) -> str:
+    """Predicted against measured TTFT / TPOT p50 and p90 (ms) per rate and system."""
+    header = ["rate", "system", "TTFT p50 pred", "meas", "p90 pred", "meas", "TPOT p50 pred", "meas", "p90 pred",
+              "meas", "max |err| %"]
+    out = []
+    for r in rows:
+        for name, pred in r.get("predicted", {}).items():
+            cells = [fmt(ms(x)) for metric in CHECKED for q in QUANTILES
+                     for x in (pred[metric][q], r[name][metric][q])]
+            worst = max_error(r["prediction_errors"], name)
+            out.append([f"{r['rate']:g}/s", name, *cells, fmt(None if worst is None else 100 * worst)])
+    return format_table(header, out)

@@ -27,7 +27,6 @@ import argparse
 import datetime as dt
 import math
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ import numpy as np
 import PIL.Image
 import torch
 
-from cluster.bench.report import fmt, format_table, write_json
+from cluster.bench.report import fmt, format_table, log, ms, write_json
 
 PROMPT_LENS = (512, 2048, 4096)
 QUICK_PROMPT_LENS = (16, 32)
@@ -155,7 +154,7 @@ def _local(model_dir: Path, setup: dict, prompts: list[dict[int, dict]], warm: d
             for n, p in variant.items():
                 out = llm.generate([p], params)[0]
                 runs[n].append({"ttft_s": out.metrics.ttft_s, "tokens": out.outputs[0].token_ids})
-                _log(f"local {n} tokens: TTFT {fmt(_ms(out.metrics.ttft_s))} ms")
+                log(f"local {n} tokens: TTFT {fmt(ms(out.metrics.ttft_s))} ms")
     finally:
         torch.set_num_threads(saved)
     return runs
@@ -184,8 +183,8 @@ def _cluster(model_dir: Path, setup: dict, transport: str, mode: str, prompts: l
                 runs[n].append({"ttft_s": c.ttft_s, "bytes": nbytes, "layers": layers, "span_s": span,
                                 "exposed_s": kv.get("exposed_seconds"), "gbps": transfer_gbps(nbytes, layers, span),
                                 "tokens": c.token_ids})
-                _log(f"{transport}/{mode} {n} tokens: TTFT {fmt(_ms(c.ttft_s))} ms, {nbytes / 1e6:.1f} MB, "
-                     f"exposed {fmt(_ms(kv.get('exposed_seconds')), 2)} ms")
+                log(f"{transport}/{mode} {n} tokens: TTFT {fmt(ms(c.ttft_s))} ms, {nbytes / 1e6:.1f} MB, "
+                     f"exposed {fmt(ms(kv.get('exposed_seconds')), 2)} ms")
         info["held_blocks"] = cluster.check_no_leaks()
     finally:
         cluster.shutdown()
@@ -223,15 +222,12 @@ def transfer_table(results: dict[int, dict]) -> str:
     for n, r in results.items():
         for t, f in r["transports"].items():
             rows.append([f"{n} ({r['num_images']} img)", t, fmt(r["kv_bytes"] / 1e6, 2), fmt(f["transfer_gbps"], 2),
-                         fmt(r["memcpy_gbps"], 2), fmt(_ms(r["local"]["ttft_s"])), fmt(_ms(f["layerwise"]["ttft_s"])),
-                         fmt(_ms(f["whole"]["ttft_s"])), fmt(_ms(f["layerwise"]["exposed_s"]), 2),
-                         fmt(_ms(f["whole"]["exposed_s"]), 2), fmt(f["exposed_ratio"], 3),
+                         fmt(r["memcpy_gbps"], 2), fmt(ms(r["local"]["ttft_s"])), fmt(ms(f["layerwise"]["ttft_s"])),
+                         fmt(ms(f["whole"]["ttft_s"])), fmt(ms(f["layerwise"]["exposed_s"]), 2),
+                         fmt(ms(f["whole"]["exposed_s"]), 2), fmt(f["exposed_ratio"], 3),
                          fmt(r.get("grpc_over_gloo"), 2) if t == "grpc" else "-", "yes" if f["tokens_match"] else "NO"])
     return format_table(header, rows)
 
-
-def _ms(s: float | None) -> float | None:
-    return None if s is None else s * 1e3
 
 
 # ------------------------------------------------------------------------------------------------------------ main
@@ -267,9 +263,6 @@ def _transports(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"unknown transport(s) in {text!r}; choose from {','.join(TRANSPORTS)}")
     return [t for t in TRANSPORTS if t in names]
 
-
-def _log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def _model_dir(args: argparse.Namespace, tmp: Path) -> Path:
@@ -310,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
             ray.init(num_cpus=max(os.cpu_count() or 2, 2), include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
         try:
-            _log(f"local engine on {model_dir}")
+            log(f"local engine on {model_dir}")
             local = _local(model_dir, setup, prompts, warm, threads=1)
             clusters = {(t, m): _cluster(model_dir, setup, t, m, prompts, warm) for t in transports for m in MODES}
         finally:
@@ -332,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
     print(_criteria_line(doc["criteria"], cfg.text.num_layers))
     load = {k: " ".join(f"{x:.2f}" for x in v) for k, v in doc["load_average"].items()}
     print(f"load average: start {load['start']}, end {load['end']}; leaked blocks: {doc['leaked_blocks']}")
-    _log(f"wrote {path}")
+    log(f"wrote {path}")
     return 0
 
 

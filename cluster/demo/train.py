@@ -170,7 +170,7 @@ def _grouped_loss(model, tok, examples: list[Conversation], ids: dict[str, int],
     hook = (model.model.multi_modal_projector.register_forward_hook(lambda _m, _i, out: captured.append(out))
             if probe is not None else None)
     try:
-        total, count, aux, images, matched = None, 0, 0.0, 0, []
+        total, count, aux, images, matched = None, 0, 0.0, 0, None
         for n in sorted(groups):
             batch = make_batch(tok, groups[n], ids)
             tokens = int((batch["labels"][:, 1:] != -100).sum())
@@ -178,9 +178,7 @@ def _grouped_loss(model, tok, examples: list[Conversation], ids: dict[str, int],
             part = out.loss * tokens
             if match is not None and n == 1:
                 targets = [asked_cell(e.scenes[0], e.turns[0][0]) for e in groups[n]]
-                m = match.loss(out.hidden_states[match.layer], batch["input_ids"] == ids[IMAGE_TOKEN], targets)
-                if m is not None:
-                    matched.append(m)
+                matched = match.loss(out.hidden_states[match.layer], batch["input_ids"] == ids[IMAGE_TOKEN], targets)
             total = part if total is None else total + part
             count += tokens
             if probe is not None:
@@ -193,8 +191,8 @@ def _grouped_loss(model, tok, examples: list[Conversation], ids: dict[str, int],
     loss = total / count
     if probe is not None:
         loss = loss + probe_weight * aux / images
-    if matched:
-        loss = loss + match_weight * matched[0]
+    if matched is not None:  # only one-image prompts ask about a cell (one group)
+        loss = loss + match_weight * matched
     return loss
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -142,8 +143,14 @@ def test_training_probes_target_the_right_cells():
     probe = CellProbe(8)
     # cell (1, 2) covers patches (2..3, 4..5) of the 6x6 grid
     assert probe.cells[5].tolist() == [16, 17, 22, 23] and probe.cells.shape == (9, 4)
+    with torch.no_grad():  # no evidence, and a strong prior for "empty": only the three occupied cells cost ~10
+        for head in (probe.kind, probe.color, probe.size):
+            head.weight.zero_(), head.bias.zero_()
+        probe.kind.bias[0] = 10.0
     visual = torch.zeros(1, TOKENS_PER_IMAGE, 8)
-    assert probe.loss(visual, [scene]).item() > 0
+    want = 3 / 9 * (10 + math.log1p(4 * math.exp(-10))) + 6 / 9 * math.log1p(4 * math.exp(-10)) + math.log(6) \
+        + math.log(2)  # kind over all 9 cells; colour and size only over the 3 shapes
+    assert probe.loss(visual, [scene]).item() == pytest.approx(want, rel=1e-5)
     match = MatchProbe(8)
     with torch.no_grad():  # score = sum of feature 0 over the cell's four tokens
         match.score.weight.zero_(), match.score.bias.zero_()
