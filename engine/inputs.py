@@ -104,6 +104,8 @@ class InputProcessor:
         if not images:
             return None
         assert self.image_processor is not None
-        pixels = self.image_processor(images)
-        return MultiModalInput(pixel_values=pixels, image_hashes=[image_content_hash(im) for im in images],
+        processor = self.image_processor
+        # deferred: the vision tower is the only reader, and a decode worker (KV from a prefill worker) never runs it
+        return MultiModalInput(pixel_values=lambda: processor(images),
+                               image_hashes=[image_content_hash(im) for im in images],
                                positions=positions.astype(np.int64), tokens_per_image=tpi)

@@ -65,7 +65,7 @@ class ModelRunner:
             if seq.mm is not None and seq.mm.features is None:
                 todo.extend((seq, i, h) for i, h in enumerate(seq.mm.image_hashes) if h not in self.vision_cache)
         if todo:
-            pixels = torch.stack([s.mm.pixel_values[i] for s, i, _ in todo]).to(self.device)
+            pixels = torch.stack([s.mm.pixels()[i] for s, i, _ in todo]).to(self.device)
             feats = self.model.encode_images(pixels)
             for (_, _, h), f in zip(todo, feats, strict=True):
                 self.vision_cache[h] = f
@@ -166,7 +166,10 @@ class ModelRunner:
         ``export(layer, seqs)``, if given, is called right after each decoder layer with the sequences whose prompt
         KV for that layer became complete in this step (the pool holds it from then on).
         """
-        self.encode_pending_images([s.seq for s in sched.prefills + sched.decodes])
+        # only a step that computes prompt positions can need image features: a sequence whose prompt KV came from
+        # another worker decodes without them (its images are encoded only if a preemption recomputes the prompt)
+        self.encode_pending_images([s.seq for s in sched.prefills + sched.decodes
+                                    if s.seq.num_computed_tokens < s.seq.num_prompt_tokens])
         input_ids, pos, meta, mm, logit_rows, sampling = self.prepare(sched)
         completing = [s.seq for s in sampling if s.seq.num_output_tokens == 0]
         if export is not None and completing:

@@ -8,6 +8,7 @@ any images whose placeholder tokens it holds). It knows nothing about the pool i
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -28,13 +29,22 @@ class SequenceStatus(IntEnum):
 @dataclass
 class MultiModalInput:
     """Images of one prompt. ``positions`` are the prompt positions of the placeholder tokens, in order; row r of
-    ``features`` (computed once, on first schedule) replaces the embedding at ``positions[r]``."""
+    ``features`` (computed once, on first schedule) replaces the embedding at ``positions[r]``.
 
-    pixel_values: torch.Tensor  # [N, C, H, W]
+    ``pixel_values`` may be given as a function that computes them: :meth:`pixels` calls it once, when the vision
+    tower first needs them. A worker that receives a prompt's KV from another never does (unless a preemption makes
+    it recompute the prompt), so it never pays for resizing and normalising the images."""
+
+    pixel_values: torch.Tensor | Callable[[], torch.Tensor]  # [N, C, H, W], or what computes them
     image_hashes: list[bytes]
     positions: np.ndarray  # [N * tokens_per_image] int64, sorted
     tokens_per_image: int
     features: torch.Tensor | None = None  # [N * tokens_per_image, hidden]
+
+    def pixels(self) -> torch.Tensor:
+        if callable(self.pixel_values):
+            self.pixel_values = self.pixel_values()
+        return self.pixel_values
 
     def block_extra_key(self, start: int, end: int) -> bytes:
         """Hash material for image tokens within prompt positions [start, end)."""

@@ -120,3 +120,44 @@ def test_lease_deadline_scales_with_bytes_and_expiry_frees_blocks(tiny_model_dir
     report = dw.step()
     assert "x" in report.failed and "deadline" in report.failed["x"]
     dw.engine.block_manager.check_no_leaks()
+
+
+def _count_calls(monkeypatch, obj, name: str) -> list[int]:
+    calls = [0]
+    inner = getattr(obj, name)
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return inner(*a, **kw)
+    monkeypatch.setattr(obj, name, counted)
+    return calls
+
+
+def test_decode_worker_never_processes_or_encodes_images_it_received(tiny_model_dir, monkeypatch):
+    """The prompt's image features only matter where the prompt is computed: the decode worker neither resizes the
+    images nor runs its vision tower for a request whose KV it received (same tokens as the local engine)."""
+    prompts = [make_request(6, seed=1, images=[make_image(1), make_image(2)]), make_request(8, seed=2)]
+    params = [greedy(6), greedy(5)]
+    pw, dw, pm = _pair(tiny_model_dir)
+    encoded = {w: _count_calls(monkeypatch, w.engine.runner.model, "encode_images") for w in (pw, dw)}
+    processed = {w: _count_calls(monkeypatch, w.engine.inputs, "image_processor") for w in (pw, dw)}
+    got, failed = _run(pw, dw, pm, prompts, params)
+    assert not failed and got == _local(tiny_model_dir, prompts, params)
+    assert encoded[pw] == [1] and processed[pw] == [1]  # both images in one batch, once
+    assert encoded[dw] == [0] and processed[dw] == [0]
+    _idle(pw, dw)
+
+
+def test_decode_worker_encodes_images_when_a_preemption_recomputes_the_prompt(tiny_model_dir, monkeypatch):
+    """Pressed for blocks, the decode worker preempts a request and recomputes it from its tokens: only then does
+    it process and encode the images (lazily), and the tokens still equal the local engine's."""
+    prompts = [make_request(6, seed=s, images=[make_image(s), make_image(s + 1)]) for s in (1, 2)]
+    params = [greedy(20), greedy(20)]
+    pm = InprocManager()
+    pw = PrefillWorker(tiny_model_dir, EngineConfig(**CFG))
+    dw = DecodeWorker(tiny_model_dir, EngineConfig(**{**CFG, "num_kv_blocks": 10}), InprocManager())
+    encoded = _count_calls(monkeypatch, dw.engine.runner.model, "encode_images")
+    got, failed = _run(pw, dw, pm, prompts, params)
+    assert not failed and got == _local(tiny_model_dir, prompts, params)
+    assert encoded[0] >= 1
+    _idle(pw, dw)
