@@ -36,6 +36,9 @@ from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+PREFILL_QUEUE_LEASE_FRACTION = 0.5  # a prefill worker's admitted work, in measured seconds, vs lease_base_s
+SPEED_EWMA = 0.2  # weight of the newest submit-to-first-token sample in a prefill worker's speed
+
 
 class TransferFailedError(DuetError):
     """The request's KV could not be moved to a decode worker, even after a retry."""
@@ -51,6 +54,7 @@ class _Worker:
     actor: Any
     inflight: int = 0  # requests placed on this worker and not yet finished (a drain waits for 0)
     prefill_tokens: int = 0  # prefill workers: prompt tokens admitted and not yet past their first token
+    s_per_token: float | None = None  # prefill workers: measured seconds from submit to first token per token queued
 
 
 @dataclass
@@ -112,6 +116,7 @@ class DisaggCluster:
         self._queues: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, str] = {}  # request id -> decode worker id
         self._prefill_cap = spec.max_prefill_queue_tokens or 4 * spec.max_num_batched_tokens
+        self._adaptive_cap = spec.max_prefill_queue_tokens is None  # default: also bounded by measured time
         self._room_waiters: list[asyncio.Future] = []  # requests waiting for prefill room (front-end loop only)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="duet-frontend", daemon=True)
@@ -482,6 +487,7 @@ class DisaggCluster:
                 return
             finally:
                 prefill.outstanding_tokens -= len(p.token_ids)
+            submitted, queued = time.monotonic(), pw.prefill_tokens  # queued: this prompt and those ahead of it
             placement: dict | None = {"accepted_at": time.monotonic(), **{f"{k}_worker": v for k, v in where.items()}}
             while True:
                 left = deadline - time.monotonic()
@@ -492,6 +498,7 @@ class DisaggCluster:
                     yield {**item, **where}
                     return
                 if admitted and item.get("token_ids"):
+                    self._observe_prefill(pw, time.monotonic() - submitted, queued)
                     admitted = self._release_prefill(pw, n_prompt)
                 if placement is not None and item.get("token_ids"):
                     item, placement = {**item, "placement": placement}, None
@@ -521,7 +528,7 @@ class DisaggCluster:
         lease's deadline runs from its allocation, so requests queue here, not in a prefill worker's queue holding
         one. A prompt larger than the cap is admitted alone."""
         loop = asyncio.get_running_loop()
-        while pw.prefill_tokens and pw.prefill_tokens + tokens > self._prefill_cap:
+        while pw.prefill_tokens and pw.prefill_tokens + tokens > self._cap(pw):
             left = deadline - time.monotonic()
             fut = loop.create_future()
             self._room_waiters.append(fut)
@@ -531,6 +538,25 @@ class DisaggCluster:
                 raise RequestTimeoutError(f"request {rid} waited {self.spec.request_timeout_s:.0f} s for prefill "
                                           f"capacity") from None
         pw.prefill_tokens += tokens
+
+    def _cap(self, pw: _Worker) -> float:
+        """Prompt tokens ``pw`` may hold between decode allocation and first token: ``max_prefill_queue_tokens``
+        when configured; by default 4 x ``max_num_batched_tokens`` and, once the worker's speed is measured, no more
+        than it gets through in half a lease (``lease_base_s``), so a queue on a slow worker (a CPU, a long prompt
+        mix) never outlives the leases its requests hold. Until the first measurement, one prompt at a time."""
+        if not self._adaptive_cap:
+            return self._prefill_cap
+        if pw.s_per_token is None:
+            return 0
+        return min(self._prefill_cap, PREFILL_QUEUE_LEASE_FRACTION * self.spec.lease_base_s / pw.s_per_token)
+
+    @staticmethod
+    def _observe_prefill(pw: _Worker, elapsed_s: float, queued_tokens: int) -> None:
+        """Fold one request's submit-to-first-token time over the tokens queued with it into ``pw``'s speed."""
+        if queued_tokens <= 0 or elapsed_s <= 0:
+            return
+        sample = elapsed_s / queued_tokens
+        pw.s_per_token = sample if pw.s_per_token is None else (1 - SPEED_EWMA) * pw.s_per_token + SPEED_EWMA * sample
 
     def _release_prefill(self, pw: _Worker, tokens: int) -> bool:
         """Give back admitted prompt tokens and wake the waiters; returns False (no longer admitted)."""

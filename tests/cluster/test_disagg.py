@@ -195,13 +195,15 @@ def test_bad_compression_policy_is_rejected_before_anything_starts(tiny_model_di
         ClusterSpec(model_dir=str(tiny_model_dir), kv_compression={"visual": {"kind": "int", "bits": 3, "group": 8}})
 
 
-def test_requests_beyond_prefill_capacity_wait_at_the_front_end(ray_cluster, tiny_model_dir):
-    """With room for one prompt at a time on the prefill worker and a slow prefill, a burst still succeeds on its
-    first attempt: later requests wait at the front-end instead of holding leases (3 s here: a third of the ~6 s the
-    last prompt would wait in the prefill queue) that would expire there."""
+@pytest.mark.parametrize("queue_tokens", [1, None], ids=["configured", "measured"])
+def test_requests_beyond_prefill_capacity_wait_at_the_front_end(ray_cluster, tiny_model_dir, queue_tokens):
+    """With a slow prefill, a burst still succeeds on its first attempt: later requests wait at the front-end instead
+    of holding leases (3 s here: a third of the ~6 s the last prompt would wait in the prefill queue) that would expire
+    there. The queue bound is either configured (room for one prompt) or the default, which the front-end derives from
+    the worker's measured speed (the burst's 6 prompts are within the static default of 4 x 12 tokens)."""
     spec = ClusterSpec(model_dir=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_seqs=8,
                        max_num_batched_tokens=12, max_model_len=128, request_timeout_s=60, lease_base_s=3.0,
-                       max_prefill_queue_tokens=1)
+                       max_prefill_queue_tokens=queue_tokens)
     c = DisaggCluster(spec)
     try:
         import ray
@@ -211,6 +213,8 @@ def test_requests_beyond_prefill_capacity_wait_at_the_front_end(ray_cluster, tin
         got = c.generate_batch(prompts, greedy(2))
         assert all(x.attempts == 1 and len(x.token_ids) == 2 for x in got)
         assert c.prefills[0].prefill_tokens == 0
+        if queue_tokens is None:  # ~1 s per 5-10 token prompt: half a lease holds about one of them
+            assert 0.05 < c.prefills[0].s_per_token < 0.5 and c._cap(c.prefills[0]) < 15
         _assert_idle(c)
     finally:
         c.shutdown()
