@@ -394,6 +394,13 @@ class DisaggCluster:
         return {"prewarm_hits": sum(r["expert_hits"] for r in rows),
                 "prewarm_misses": sum(r["stalled_loads"] for r in rows)}
 
+    def clear_vision_caches(self, timeout_s: float = 30.0) -> int:
+        """Every worker forgets its cached image encodings (benchmarks); returns how many were dropped in all."""
+        import ray
+
+        return sum(ray.get([w.actor.clear_vision_cache.remote() for w in self.prefills + self.decodes],
+                           timeout=timeout_s))
+
     def check_no_leaks(self, timeout_s: float = 10.0) -> dict[str, int]:
         """Blocks held per live worker once idle (waits up to ``timeout_s`` for in-flight work to drain)."""
         import ray

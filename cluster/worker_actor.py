@@ -36,6 +36,11 @@ class WorkerActorBase:
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         return messages.pack(worker_id=self.worker_id, role=self.role, cpus=cpus)
 
+    def clear_vision_cache(self) -> int:
+        """Forget the engine's cached image encodings (for benchmarks that replay the same images)."""
+        with self.lock:
+            return self.worker.engine.clear_vision_cache()
+
     def check_no_leaks(self) -> bytes:
         """``{"idle", "held"}``: when idle, asserts every KV block is free or cached with zero references."""
         with self.lock:

@@ -244,6 +244,12 @@ class LLMEngine:
     def reset_moe_counts(self) -> None:
         self.model.text.reset_moe_counts()
 
+    def clear_vision_cache(self) -> int:
+        """Forget every cached image encoding (benchmarks replaying the same images); returns how many there were."""
+        n = len(self.runner.vision_cache)
+        self.runner.vision_cache.clear()
+        return n
+
 
 def _parse_device(name: str) -> torch.device:
     """``torch.device(name)`` for the device types the engine runs on; anything else is a typed, one-line error."""

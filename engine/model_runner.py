@@ -60,14 +60,16 @@ class ModelRunner:
 
     def encode_pending_images(self, seqs: list[Sequence]) -> None:
         """Compute image features for sequences scheduled for the first time, reusing cached encodings."""
-        todo: list[tuple[Sequence, int, bytes]] = []
+        todo: dict[bytes, tuple[Sequence, int]] = {}  # one encoding per distinct image, however often it appears
         for seq in seqs:
             if seq.mm is not None and seq.mm.features is None:
-                todo.extend((seq, i, h) for i, h in enumerate(seq.mm.image_hashes) if h not in self.vision_cache)
+                for i, h in enumerate(seq.mm.image_hashes):
+                    if h not in self.vision_cache and h not in todo:
+                        todo[h] = (seq, i)
         if todo:
-            pixels = torch.stack([s.mm.pixels()[i] for s, i, _ in todo]).to(self.device)
+            pixels = torch.stack([s.mm.pixels()[i] for s, i in todo.values()]).to(self.device)
             feats = self.model.encode_images(pixels)
-            for (_, _, h), f in zip(todo, feats, strict=True):
+            for h, f in zip(todo, feats, strict=True):
                 self.vision_cache[h] = f
         for seq in seqs:
             if seq.mm is not None and seq.mm.features is None:

@@ -4,7 +4,8 @@ Workload (:func:`make_workload`, deterministic in the seed): Poisson arrivals at
 image-heavy with probability ``--image-fraction`` (a demo-task question with one or two images, as
 :func:`cluster.demo.tasks.make_dataset` makes them) or else text-only (several demo-corpus sentences); its output length
 is drawn from a geometric distribution with mean ``--output-mean`` (capped at ``--output-max``), EOS ignored so every
-request runs to its drawn length. Both systems get the same requests at the same times in the same run:
+request runs to its drawn length. Both systems get the same requests at the same times in the same run, each rate
+starting with no cached image encodings (the rates replay the same images):
 
 * colocated -- the in-process :class:`engine.LLM` with ``--colocated-threads`` torch threads (default 2: the cores
   the two workers get), driven step by step: arrivals are added between steps with their scheduled arrival time, so
@@ -254,6 +255,11 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
                                      output_mean=args.output_mean, output_max=args.output_max, images=args.images)
             row: dict = {"rate": rate, "image_requests": sum(a.kind == "image" for a in arrivals)}
             for name, drive, target in (("colocated", drive_colocated, llm), ("disaggregated", drive_disagg, cluster)):
+                # every rate replays the same images: each system starts it without their encodings
+                if name == "colocated":
+                    llm.engine.clear_vision_cache()
+                else:
+                    cluster.clear_vision_caches()
                 with tqdm(total=n, desc=f"{name} @ {rate:g} req/s", leave=False, file=sys.stderr) as bar:
                     recs = drive(target, arrivals, bar)
                 row[name] = summarise(recs, ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo) | {"records": recs}

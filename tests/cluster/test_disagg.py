@@ -51,6 +51,7 @@ def test_concurrent_requests_with_images_match_local(cluster, tiny_model_dir):
     got = cluster.generate_batch(prompts, params)
     assert [c.token_ids for c in got] == _local(tiny_model_dir, prompts, params)
     assert all(c.attempts == 1 for c in got)
+    assert cluster.clear_vision_caches() >= 3 and cluster.clear_vision_caches() == 0  # 3 distinct images encoded
     _assert_idle(cluster)
 
 

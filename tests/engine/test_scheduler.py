@@ -361,3 +361,23 @@ def test_generate_with_a_list_of_sampling_params(make_llm):
     with pytest.raises(InvalidRequestError, match="2 sampling params for 3 prompts"):
         llm.generate(prompts, [greedy(3), greedy(3)])
     assert_no_leaked_blocks(llm)
+
+
+def test_an_image_repeated_in_a_prompt_is_encoded_once(make_llm, monkeypatch):
+    """Images are encoded once per distinct content, within a prompt as across prompts: a prompt showing one image
+    twice (and another once) encodes two images, and decodes exactly as when one of them came from the cache."""
+    cat, dog = make_image(12), make_image(13)
+    prompt = make_request(6, seed=7, images=[cat, cat.copy(), dog])
+
+    def run(warm_with=None):
+        llm, encoded = make_llm(enable_prefix_caching=False), []
+        inner = llm.engine.runner.model.encode_images
+        monkeypatch.setattr(llm.engine.runner.model, "encode_images", lambda px: encoded.append(len(px)) or inner(px))
+        if warm_with is not None:
+            llm.generate(warm_with, greedy(1))
+        return llm.generate(prompt, greedy(6))[0].outputs[0].token_ids, encoded
+
+    fresh, encoded = run()
+    assert encoded == [2]
+    warm, encoded = run(warm_with=make_request(4, seed=8, images=[cat]))
+    assert encoded == [1, 1] and warm == fresh
