@@ -14,9 +14,9 @@ Model (all times in seconds; a *profile* says how fast one GPU/worker is, :class
   sequences holding ``c`` context tokens in all takes ``decode_step_s(b, c) = base + b * per_seq + c * per_ctx_token``
   and gives every sequence one token. Requests reach decode workers at random (Poisson thinning), so each decode
   worker is simulated alone; ``TPOT = (last token - first token) / (output - 1)``;
-* colocated serving: every GPU runs both; requests go to GPUs at random; a GPU with prompts waiting prefills them
-  first (prefill interrupts decode: running sequences wait, which is what inflates colocated TPOT), else it runs one
-  decode step.
+* colocated serving: every GPU runs both; requests go to GPUs at random; a GPU runs chunked-prefill steps: one decode
+  token for every running sequence plus the prompts that have arrived (up to a token budget), so running sequences
+  wait for the step's prefill, which is what inflates colocated TPOT.
 
 Goodput per GPU is the largest arrival rate at which TTFT p90 and TPOT p90 both meet the SLO, divided by the GPUs.
 The pools decouple (TTFT is set by the prefill pool, TPOT by the decode pool), so for a budget of ``N`` GPUs the plan
@@ -43,6 +43,9 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import DuetError
+
+
+DEFAULT_BATCHED_TOKENS = 4096  # a colocated step's token budget: the engine's default max_num_batched_tokens
 
 
 class PlanError(DuetError):
@@ -213,39 +216,46 @@ def simulate_decode_worker(prof: Profile, first_token: np.ndarray, prompt: np.nd
     return tpot
 
 
-def simulate_colocated_gpu(prof: Profile, req: Requests, rate: float) -> tuple[np.ndarray, np.ndarray]:
-    """TTFT and TPOT of every request on one GPU that prefills (first, one prompt at a time) and decodes."""
+def simulate_colocated_gpu(prof: Profile, req: Requests, rate: float, *,
+                           max_batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> tuple[np.ndarray, np.ndarray]:
+    """TTFT and TPOT of every request on one GPU that prefills and decodes in the same steps.
+
+    As a chunked-prefill engine schedules: each step runs one decode token for every running sequence together with
+    the prompts that have arrived (FCFS, as many as ``max_batched_tokens`` holds, at least one); the step takes the
+    prompts' prefill time plus the decode step's, so running sequences wait for the step's prefill (what inflates
+    colocated TPOT) while prompts that arrive together share one step. A prompt's first token comes at the end of its
+    step; it decodes from the next."""
     arrive = (req.unit_arrivals / rate).tolist()
     service = prof.prefill_s(req.prompt, req.images).tolist()
     prompts, outs = req.prompt.tolist(), req.output.tolist()
     n = len(arrive)
     ttft, tpot, first = np.zeros(n), np.zeros(n), [0.0] * n
     t, step, nxt, ctx_base = 0.0, 0, 0, 0
-    ends: list[tuple[int, int]] = []
-    waiting: list[int] = []  # prefilled, waiting for a decode slot
-    while nxt < n or ends or waiting:
-        if nxt < n and arrive[nxt] <= t:
-            i, nxt = nxt, nxt + 1
-            t += service[i]
+    ends: list[tuple[int, int]] = []  # (step at which the sequence emits its last token, index)
+    while nxt < n or ends:
+        if not ends and arrive[nxt] > t:
+            t = arrive[nxt]
+        batch, tokens = [], 0
+        while (nxt < n and arrive[nxt] <= t and len(ends) + len(batch) < prof.max_decode_batch
+               and (not batch or tokens + prompts[nxt] <= max_batched_tokens)):
+            batch.append(nxt)
+            tokens += prompts[nxt]
+            nxt += 1
+        b = len(ends)
+        t += sum(service[i] for i in batch)
+        if b:
+            t += prof.decode_base_s + b * prof.decode_per_seq_s + (ctx_base + b * step) * prof.decode_per_ctx_token_s
+            step += 1
+            while ends and ends[0][0] <= step:
+                _, i = heapq.heappop(ends)
+                ctx_base -= prompts[i] - (step - outs[i] + 1)
+                tpot[i] = (t - first[i]) / (outs[i] - 1)
+        for i in batch:
             first[i] = t
             ttft[i] = t - arrive[i]
             if outs[i] > 1:
-                waiting.append(i)
-            continue
-        while waiting and len(ends) < prof.max_decode_batch:
-            i = waiting.pop(0)
-            heapq.heappush(ends, (step + outs[i] - 1, i))
-            ctx_base += prompts[i] - step
-        if not ends:
-            t = max(t, arrive[nxt]) if nxt < n else t
-            continue
-        b = len(ends)
-        t += prof.decode_base_s + b * prof.decode_per_seq_s + (ctx_base + b * step) * prof.decode_per_ctx_token_s
-        step += 1
-        while ends and ends[0][0] <= step:
-            _, i = heapq.heappop(ends)
-            ctx_base -= prompts[i] - (step - outs[i] + 1)
-            tpot[i] = (t - first[i]) / (outs[i] - 1)
+                heapq.heappush(ends, (step + outs[i] - 1, i))
+                ctx_base += prompts[i] - step
     return ttft, tpot
 
 

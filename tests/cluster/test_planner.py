@@ -60,6 +60,20 @@ def test_prefill_interrupts_colocated_decode():
     assert prefill_only[0] == pytest.approx(0.02)
 
 
+def test_colocated_steps_mix_prompts_and_decodes_within_the_token_budget():
+    # two 100-token prompts arriving together share one step (both first tokens at 0.2 s) unless the budget splits them
+    req = _requests([0.0, 0.0], 100, 3)
+    ttft, tpot = simulate_colocated_gpu(FLAT, req, 1.0)
+    np.testing.assert_allclose(ttft, [0.2, 0.2])
+    np.testing.assert_allclose(tpot, 0.02)
+    ttft, _ = simulate_colocated_gpu(FLAT, req, 1.0, max_batched_tokens=150)
+    np.testing.assert_allclose(ttft, [0.1, 0.2 + 0.02])  # the second prompt's step also decodes the first's token
+    # a decoding sequence gets its token in the step that prefills a newcomer: 0.01 prefill, decode 0.01-0.03, then
+    # the 1000-token prompt's step (1 s + the 20 ms decode) and 8 more decode steps -> (1.21 - 0.01) / 10
+    _, tpot = simulate_colocated_gpu(FLAT, _requests([0.0, 0.015], [10, 1000], 11), 1.0)
+    assert tpot[0] == pytest.approx(0.12)
+
+
 def test_single_prefill_worker_matches_md1_queueing():
     """M/D/1: mean wait = rho * s / (2 (1 - rho)) (Pollaczek-Khinchine)."""
     s, rho = 0.1, 0.6
