@@ -54,9 +54,11 @@ def test_criteria_only_at_rates_where_colocated_misses():
     rows = [_row(1, 0.05, 0.06, 2.0, 1.8), _row(4, 0.4, 0.1, 1.0, 2.0), _row(8, 0.8, 0.5, 1.0, 1.2)]
     c = criteria(rows, tpot_slo=0.1)
     assert [x["rate"] for x in c["checks"]] == [4, 8]
-    assert [x["ok"] for x in c["checks"]] == [True, False] and c["met"] is False
+    assert [x["ok"] for x in c["checks"]] == [True, False]
+    assert c["met"] is True and c["met_at"] == [4] and c["met_at_every_rate"] is False
     assert c["rates_colocated_wins"] == [1]
     assert criteria(rows[:1], tpot_slo=0.1)["met"] is None
+    assert criteria(rows[2:], tpot_slo=0.1)["met"] is False
 
 
 def test_bad_rates_are_a_usage_error(capsys):
