@@ -99,8 +99,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         else:
             kd, vd = kv.mirror_k[dec.slots, :, : dec.max_len], kv.mirror_v[dec.slots, :, : dec.max_len]
         mask = dec.mask if dec.layer_masks is None else dec.layer_masks[kv.index]
-        o = F.scaled_dot_product_attention(q[p:].unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[p:] = o.squeeze(2)
+        # one query per sequence: a KV head's query heads attend as that head's rows (no GQA expansion of K/V)
+        qg = q[p:].view(b, kvh, q.shape[1] // kvh, d)
+        o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=mask, scale=scale)
+        out[p:] = o.view(b, q.shape[1], d)
     return out
 
 
