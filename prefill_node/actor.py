@@ -62,7 +62,8 @@ class PrefillActor(WorkerActorBase):
             e = self.worker.engine
             return messages.pack(worker_id=self.worker_id, outstanding_tokens=self.worker.outstanding_tokens,
                                  waiting=len(e.scheduler.waiting), running=len(e.scheduler.running),
-                                 free_blocks=e.block_manager.num_free_blocks, busy_s=self.busy_s)
+                                 free_blocks=e.block_manager.num_free_blocks, busy_s=self.busy_s,
+                                 cpu_s=time.process_time())  # every thread's: compute, intake, KV sends
 
     def inject_fault(self, kind: str, value: float) -> None:
         """Tests only: ``layer_delay_s`` (seconds after each layer's compute) or ``corrupt_next`` (count)."""

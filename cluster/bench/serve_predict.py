@@ -37,8 +37,10 @@ def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prom
 
     The path's prefill is slower than the bare engine's (images decoded on the worker, the KV streamed out from the
     same core, the actor's other threads): its prefill terms are scaled by the Theil-Sen slope of the time the worker
-    was busy per request (``service``, when the worker reports it) -- or, without it, of the measured TTFT -- against
-    the profile's prefill time. What TTFT has beyond the scaled prefill is a fixed per-request latency that does not
+    occupied its core per request (``service``, when the worker reports it: its process's CPU seconds, every thread)
+    -- or, without it, of the measured TTFT -- against the profile's prefill time, and with ``service`` the median
+    residual is a fixed cost per request added to ``prefill_base_s`` (the simulated worker is busy for it, so it
+    queues the requests behind). What TTFT has beyond that is a fixed per-request latency that does not
     occupy the worker (RPCs, the KV's tail, the first token's way back): ``transfer_base_s``; with ``service`` it is
     fitted as ``a + b x prompt tokens`` (``transfer_base_s``, ``transfer_per_token_s``). Their TPOTs (one sequence
     each) give the path's decode step: its cost per context token (Theil-Sen against the prompt length) and a fixed
@@ -49,7 +51,10 @@ def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prom
     y = np.array(service) if service is not None else ttft
     scale = _theil_sen(engine, y) or 1.0
     scale = max(0.1, scale) if service is not None else max(1.0, scale)
-    rest = ttft - scale * engine  # latency that does not occupy the worker; the KV's tail grows with the prompt
+    # what the worker spends on every request whatever its size (taking it in, the step's fixed part beyond the
+    # engine's): the median residual of the scaled prefill, never below the scaled engine base
+    fixed = max(float(np.median(y - scale * engine)), -scale * prof.prefill_base_s) if service is not None else 0.0
+    rest = ttft - scale * engine - fixed  # latency that does not occupy the worker; the KV's tail grows with the prompt
     per_token = max(0.0, _theil_sen(prompt.astype(float), rest) or 0.0) if service is not None else 0.0
     latency = max(0.0, float(np.median(rest - per_token * prompt)))
     measured = [(p, t) for p, t in zip(prompt_tokens, tpots, strict=True) if t is not None]
@@ -61,11 +66,11 @@ def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prom
     per_step = float(np.median(step)) if step else 0.0
     per_step = max(per_step, 1e-6 - prof.decode_base_s)  # a step still takes time
     return dataclasses.replace(
-        prof, prefill_base_s=prof.prefill_base_s * scale, prefill_per_token_s=prof.prefill_per_token_s * scale,
+        prof, prefill_base_s=prof.prefill_base_s * scale + fixed, prefill_per_token_s=prof.prefill_per_token_s * scale,
         prefill_per_token2_s=prof.prefill_per_token2_s * scale, prefill_per_image_s=prof.prefill_per_image_s * scale,
         transfer_base_s=latency, transfer_per_token_s=per_token, transfer_exposed_fraction=1.0,
         decode_base_s=prof.decode_base_s + per_step, decode_per_ctx_token_s=per_ctx,
-        source=f"{prof.source}; serving path: prefill x{scale:.2f}, +{latency * 1e3:.1f} ms per request "
+        source=f"{prof.source}; serving path: prefill x{scale:.2f} {fixed * 1e3:+.1f} ms, +{latency * 1e3:.1f} ms per request "
                f"+{per_token * 1e6:.1f} us per prompt token, {per_step * 1e3:+.2f} ms per decode step "
                f"+{per_ctx * 1e6:.2f} us per context token, measured {time.strftime('%Y-%m-%d')}")
 
@@ -93,7 +98,8 @@ def predict(workers: Profile, colocated: Profile, req: Requests, rate: float) ->
     c_ttft, c_tpot = simulate_colocated_gpu(colocated, req, rate)
     c_ttft = c_ttft + colocated.exposed_transfer_s(req.prompt)  # its fixed per-request cost (front-end, stream)
     multi = req.output > 1
-    return {"disaggregated": {"ttft_s": _pcts(ttft), "tpot_s": _pcts(tpot[multi])},
+    service = float(np.mean(workers.prefill_s(req.prompt, req.images)))  # the prefill core's time per request
+    return {"disaggregated": {"ttft_s": _pcts(ttft), "tpot_s": _pcts(tpot[multi]), "prefill_cpu_s_per_request": service},
             "colocated": {"ttft_s": _pcts(c_ttft), "tpot_s": _pcts(c_tpot[multi])}}
 
 

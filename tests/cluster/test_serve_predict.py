@@ -46,6 +46,15 @@ def test_calibration_fits_the_path_s_prefill_scale_and_latency():
     assert split.prefill_per_token_s == pytest.approx(1.2e-3)
     # what is left, 0.08 + 0.3 * (0.01 + 1e-3 n), is a latency of 83 ms + 0.3 ms per prompt token
     assert split.transfer_base_s == pytest.approx(0.083) and split.transfer_per_token_s == pytest.approx(3e-4)
+    assert split.prefill_base_s == pytest.approx(0.012)  # the scaled engine base; no fixed occupancy
+    # CPU time with 20 ms per request whatever its size (taking it in): the worker's base grows by it, the latency
+    # shrinks by it, TTFT stays what was measured
+    cpu = [0.02 + 1.2 * e for e in engine]
+    occ = calibrate(prof, ttfts, [None] * 5, tokens, [0] * 5, service=cpu)
+    assert occ.prefill_per_token_s == pytest.approx(1.2e-3) and occ.prefill_base_s == pytest.approx(0.032)
+    assert occ.transfer_base_s == pytest.approx(0.063) and occ.transfer_per_token_s == pytest.approx(3e-4)
+    n = np.array(tokens)
+    assert occ.prefill_s(n, np.zeros(5)) + occ.exposed_transfer_s(n) == pytest.approx(ttfts)
 
 
 def test_prediction_far_apart_is_service_time_and_colocated_tpot_grows_with_prefill_interference():
