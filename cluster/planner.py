@@ -5,8 +5,9 @@ Pure and seeded: the same profile, workload, SLO and seed give the same plan. On
 Model (all times in seconds; a *profile* says how fast one GPU/worker is, :class:`Profile`):
 
 * prefill of a prompt of ``n`` tokens with ``k`` images takes ``prefill_s(n, k) = base + n * per_token +
-  n**2 * per_token2 + k * per_image`` on one worker; a prefill worker serves one prompt at a time, and the pool is one
-  FCFS queue (a router sending each prompt to the first free worker; a heap of free times simulates it);
+  n**2 * per_token2 + k * per_image`` on one worker; the pool is one FCFS queue (a router sending each prompt to the
+  first free worker; a heap of free times simulates it), and a worker that frees up prefills the prompts waiting for
+  it together, up to a token budget, all of them ready at the end of that step;
 * the prompt's KV then moves to a decode worker: ``transfer_s(n) = base + n * per_token``, of which
   ``transfer_exposed_fraction`` is on the critical path (layer-wise streaming hides the rest); the first token reaches
   the user then, so ``TTFT = queue + prefill + exposed transfer``;
@@ -169,17 +170,30 @@ class SLO:
 
 
 # ------------------------------------------------------------------------------------------------------ simulators
-def simulate_prefill_pool(prof: Profile, req: Requests, rate: float, workers: int) -> np.ndarray:
-    """TTFT of every request through a FCFS pool of ``workers`` prefill workers at ``rate`` req/s."""
-    arrive = req.unit_arrivals / rate
-    service = prof.prefill_s(req.prompt, req.images)
+def simulate_prefill_pool(prof: Profile, req: Requests, rate: float, workers: int, *,
+                          max_batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> np.ndarray:
+    """TTFT of every request through a FCFS pool of ``workers`` prefill workers at ``rate`` req/s.
+
+    A worker that frees up takes every prompt that has arrived, in order, as many as ``max_batched_tokens`` holds (at
+    least one) into one step, as the engine schedules; the step takes their prefill times together and every prompt
+    in it has its KV at the step's end (a prompt waits for the others in its step, which FCFS one at a time would not
+    charge it)."""
+    arrive = (req.unit_arrivals / rate).tolist()
+    service = prof.prefill_s(req.prompt, req.images).tolist()
+    prompts = req.prompt.tolist()
     free = [0.0] * workers
     done = np.empty(len(arrive))
-    for i, (a, s) in enumerate(zip(arrive.tolist(), service.tolist())):
-        start = max(a, heapq.heappop(free))
-        done[i] = start + s
-        heapq.heappush(free, done[i])
-    return done - arrive + prof.exposed_transfer_s(req.prompt)
+    nxt, n = 0, len(arrive)
+    while nxt < n:
+        start = max(arrive[nxt], heapq.heappop(free))
+        end, tokens, first = start, 0, nxt
+        while nxt < n and arrive[nxt] <= start and (nxt == first or tokens + prompts[nxt] <= max_batched_tokens):
+            end += service[nxt]
+            tokens += prompts[nxt]
+            nxt += 1
+        done[first:nxt] = end
+        heapq.heappush(free, end)
+    return done - np.asarray(arrive) + prof.exposed_transfer_s(req.prompt)
 
 
 def simulate_decode_worker(prof: Profile, first_token: np.ndarray, prompt: np.ndarray, output: np.ndarray

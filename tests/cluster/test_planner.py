@@ -75,11 +75,24 @@ def test_colocated_steps_mix_prompts_and_decodes_within_the_token_budget():
 
 
 def test_single_prefill_worker_matches_md1_queueing():
-    """M/D/1: mean wait = rho * s / (2 (1 - rho)) (Pollaczek-Khinchine)."""
+    """One prompt per step: M/D/1, mean wait = rho * s / (2 (1 - rho)) (Pollaczek-Khinchine)."""
     s, rho = 0.1, 0.6
     req = Workload(prompt_mean=100).sample(40_000, seed=3)
-    ttft = simulate_prefill_pool(FLAT, req, rho / s, 1)
+    ttft = simulate_prefill_pool(FLAT, req, rho / s, 1, max_batched_tokens=1)
     assert ttft.mean() == pytest.approx(s + rho * s / (2 * (1 - rho)), rel=0.05)
+    # batched steps (the engine's): the queue is served as fast, but a prompt waits for the others in its step
+    batched = simulate_prefill_pool(FLAT, req, rho / s, 1)
+    assert ttft.mean() < batched.mean() < 1.5 * ttft.mean()
+
+
+def test_prompts_waiting_for_a_prefill_worker_share_its_next_step():
+    # 1 ms/token: A (500 tokens) at 0 runs alone; B and C (300, 200) arrive during it and run together after it, both
+    # ready at its end; D (4000) does not fit the 4096-token budget beside them and runs alone
+    req = _requests([0.0, 0.1, 0.2, 0.3], [500, 300, 200, 4000], 2)
+    ttft = simulate_prefill_pool(FLAT, req, 1.0, 1)
+    assert ttft.tolist() == pytest.approx([0.5, 1.0 - 0.1, 1.0 - 0.2, 5.0 - 0.3])
+    one_at_a_time = simulate_prefill_pool(FLAT, req, 1.0, 1, max_batched_tokens=1)
+    assert one_at_a_time.tolist() == pytest.approx([0.5, 0.8 - 0.1, 1.0 - 0.2, 5.0 - 0.3])
 
 
 def test_worked_example_prefill_bound():
