@@ -13,8 +13,9 @@ Model (all times in seconds; a *profile* says how fast one GPU/worker is, :class
   the user then, so ``TTFT = queue + prefill + exposed transfer``;
 * a decode worker runs continuous batching of at most ``max_decode_batch`` sequences; one step over a batch of ``b``
   sequences holding ``c`` context tokens in all takes ``decode_step_s(b, c) = base + b * per_seq + c * per_ctx_token``
-  and gives every sequence one token. Requests reach decode workers at random (Poisson thinning), so each decode
-  worker is simulated alone; ``TPOT = (last token - first token) / (output - 1)``;
+  and gives every sequence one token; taking a request in (receiving its KV, committing it) costs the worker
+  ``join_base + n * join_per_token`` between steps. Requests reach decode workers at random (Poisson thinning), so
+  each decode worker is simulated alone; ``TPOT = (last token - first token) / (output - 1)``;
 * colocated serving: every GPU runs both; requests go to GPUs at random; a GPU runs chunked-prefill steps: one decode
   token for every running sequence plus the prompts that have arrived (up to a token budget), so running sequences
   wait for the step's prefill, which is what inflates colocated TPOT.
@@ -69,6 +70,8 @@ class Profile:
     decode_base_s: float = 0.01
     decode_per_seq_s: float = 0.0
     decode_per_ctx_token_s: float = 0.0
+    decode_join_base_s: float = 0.0  # a decode worker's time to take a request in (its KV, the commit), per request
+    decode_join_per_token_s: float = 0.0  # ... and per prompt token; the step it joins in takes that much longer
     max_decode_batch: int = 64
     transfer_base_s: float = 0.0
     transfer_per_token_s: float = 0.0
@@ -200,18 +203,22 @@ def simulate_decode_worker(prof: Profile, first_token: np.ndarray, prompt: np.nd
                            ) -> np.ndarray:
     """TPOT of every request on one decode worker; ``first_token`` (sorted) is when each one's KV arrived.
 
-    Sequences join at step boundaries, FCFS, up to ``max_decode_batch``. Context sums are kept incrementally (a
-    sequence that joined at step ``j`` with prompt ``p`` holds ``p + step - j`` tokens), so a step costs O(log b)."""
+    Sequences join at step boundaries, FCFS, up to ``max_decode_batch``; taking one in costs the worker
+    ``decode_join_base_s + decode_join_per_token_s * prompt`` before the next step. Context sums are kept
+    incrementally (a sequence that joined at step ``j`` with prompt ``p`` holds ``p + step - j`` tokens), so a step
+    costs O(log b)."""
     n = len(first_token)
     tpot = np.zeros(n)
     t, step, nxt = 0.0, 0, 0
     ends: list[tuple[int, int]] = []  # (step at which the sequence emits its last token, index)
     ctx_base = 0  # sum over running of prompt - join step
     arrivals, prompts, outs = first_token.tolist(), prompt.tolist(), output.tolist()
+    join = (prof.decode_join_base_s + prof.decode_join_per_token_s * np.asarray(prompt, float)).tolist()
     while nxt < n or ends:
         if not ends and arrivals[nxt] > t:
             t = arrivals[nxt]
         while nxt < n and arrivals[nxt] <= t and len(ends) < prof.max_decode_batch:
+            t += join[nxt]  # taking it in delays the batch's next step
             if outs[nxt] <= 1:
                 nxt += 1
                 continue

@@ -127,6 +127,7 @@ class DecodeActor(WorkerActorBase):
             tiers = None if self.worker.tiers is None else self.worker.tiers.summary()
             return messages.pack(worker_id=self.worker_id, free_blocks=self.worker.free_blocks,
                                  receiving=len(self.worker.receivers), running=len(e.scheduler.running),
+                                 step_s=self.worker.step_s, cpu_s=time.process_time(),
                                  experts=experts, expert_tiers=tiers)
 
     def shutdown(self) -> None:

@@ -84,6 +84,7 @@ class DecodeWorker:
         self.receivers: dict[str, KVReceiver] = {}
         self.clocks: dict[str, _TransferClock] = {}
         self.recv_lock = threading.Lock()
+        self.step_s = 0.0  # seconds in decode steps (the rest of the process's CPU time is intake, KV, polls)
         self.ep = None if expert_parallel is None else ExpertParallel(self.engine, model_dir, expert_parallel)
         self.tiers = None if expert_tiers is None else ExpertTiers(self.engine, expert_tiers)
 
@@ -174,7 +175,9 @@ class DecodeWorker:
         report = StepReport()
         self.poll_transfers(report)
         if self.engine.has_unfinished_requests():
+            t0 = time.perf_counter()
             report.outputs.extend(self.engine.step())
+            self.step_s += time.perf_counter() - t0
         done = [o.request_id for o in report.outputs if o.finished]
         if self.tiers is not None and done:
             self.tiers.on_requests([], done)

@@ -311,24 +311,49 @@ def _profiles(args: argparse.Namespace, model_dir: Path, llm, cluster, tok) -> d
              make_workload(tok, 4, 1.0, seed=args.seed + 2, image_fraction=frac, output_mean=2, output_max=2,
                            images=args.images)]  # short and long prompts: calibrate fits a scale and a latency
     tokens = [_prompt_tokens(cluster, a) for a in probe]
-    # the prefill worker's CPU time is what a request occupies its core with; the colocated engine has no such split
-    busy_s = {"workers": lambda: _prefill_cpu_s(cluster), "colocated": None}
+    # the prefill worker's CPU time is what a request occupies its core with, and the decode worker's beyond its steps
+    # what taking the request in costs it (the idle loop's own rate taken out); the colocated engine has no such split
+    idle = _decode_idle_rate(cluster)
     for name, drive, target in (("workers", drive_disagg, cluster), ("colocated", drive_colocated, llm)):
         drive(target, probe[-1:], _NoBar())  # the first prompt of this size pays one-off allocations
-        recs, service = [], [] if busy_s[name] else None
+        recs, service, join = [], [], []
         for a in probe:
-            before = busy_s[name]() if busy_s[name] else 0.0
+            before, t0 = _worker_cpu_s(cluster) if name == "workers" else None, time.perf_counter()
             recs.append(drive(target, [a], _NoBar())[0])
-            if service is not None:
-                service.append(busy_s[name]() - before)
+            if before is not None:
+                after = _worker_cpu_s(cluster)
+                service.append(after[0] - before[0])
+                join.append(max(0.0, after[1] - before[1] - idle * (time.perf_counter() - t0)))
         out[name] = serve_predict.calibrate(out[name], [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
-                                            tokens, [a.images for a in probe], service=service)
+                                            tokens, [a.images for a in probe], service=service or None,
+                                            join=join or None)
     return out
 
 
+def _worker_cpu_s(cluster) -> tuple[float, float]:
+    """CPU seconds of the (one) prefill worker's process, every thread (prefilling, taking requests in and streaming
+    KV out all occupy its core; its compute loop alone undercounts a request by ~15%), and of the decode worker's
+    beyond its decode steps (taking requests in: RPCs, receiving KV, committing; and its polls)."""
+    return _prefill_cpu_s(cluster), _decode_overhead_s(cluster)
+
+
+def _decode_overhead_s(cluster) -> float:
+    import ray
+
+    from cluster import messages
+
+    st = messages.unpack(ray.get(cluster.decodes[0].actor.stats.remote(), timeout=30))
+    return float(st["cpu_s"] - st["step_s"])
+
+
+def _decode_idle_rate(cluster, seconds: float = 1.0) -> float:
+    """CPU seconds per second the idle decode worker spends (its loop's polls), to take out of a request's cost."""
+    before = _decode_overhead_s(cluster)
+    time.sleep(seconds)
+    return max(0.0, (_decode_overhead_s(cluster) - before) / seconds)
+
+
 def _prefill_cpu_s(cluster) -> float:
-    """CPU seconds of the (one) prefill worker's process, every thread: prefilling, taking requests in and streaming
-    KV out all occupy its core (its compute loop alone undercounts a request by ~15%)."""
     import ray
 
     from cluster import messages

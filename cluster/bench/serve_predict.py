@@ -32,7 +32,7 @@ def requests_of(arrivals, prompt_tokens: list[int], rate: float) -> Requests:
 
 
 def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prompt_tokens: list[int],
-              images: list[int], service: list[float] | None = None) -> Profile:
+              images: list[int], service: list[float] | None = None, join: list[float] | None = None) -> Profile:
     """``prof`` fitted to its serving path, from requests served one at a time (a mix of short and long prompts).
 
     The path's prefill is slower than the bare engine's (images decoded on the worker, the KV streamed out from the
@@ -44,7 +44,9 @@ def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prom
     occupy the worker (RPCs, the KV's tail, the first token's way back): ``transfer_base_s``; with ``service`` it is
     fitted as ``a + b x prompt tokens`` (``transfer_base_s``, ``transfer_per_token_s``). Their TPOTs (one sequence
     each) give the path's decode step: its cost per context token (Theil-Sen against the prompt length) and a fixed
-    per-step correction (negative when the profile's batch fit overshoots at one sequence)."""
+    per-step correction (negative when the profile's batch fit overshoots at one sequence). ``join``: the decode
+    worker's time per request beyond its steps (its process's CPU seconds), fitted as ``a + b x prompt tokens``
+    (``decode_join_base_s``, ``decode_join_per_token_s``): under load it delays the steps of the running batch."""
     prompt = np.array(prompt_tokens)
     engine = prof.prefill_s(prompt, np.array(images))
     ttft = np.array(ttfts)
@@ -65,14 +67,21 @@ def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prom
     step = [t - (one_seq + p * per_ctx) for p, t in measured]
     per_step = float(np.median(step)) if step else 0.0
     per_step = max(per_step, 1e-6 - prof.decode_base_s)  # a step still takes time
+    join_base = join_per_token = 0.0
+    if join is not None:
+        j = np.array(join, float)
+        join_per_token = max(0.0, _theil_sen(prompt.astype(float), j) or 0.0)
+        join_base = max(0.0, float(np.median(j - join_per_token * prompt)))
     return dataclasses.replace(
-        prof, prefill_base_s=prof.prefill_base_s * scale + fixed, prefill_per_token_s=prof.prefill_per_token_s * scale,
+        prof, decode_join_base_s=join_base, decode_join_per_token_s=join_per_token,
+        prefill_base_s=prof.prefill_base_s * scale + fixed, prefill_per_token_s=prof.prefill_per_token_s * scale,
         prefill_per_token2_s=prof.prefill_per_token2_s * scale, prefill_per_image_s=prof.prefill_per_image_s * scale,
         transfer_base_s=latency, transfer_per_token_s=per_token, transfer_exposed_fraction=1.0,
         decode_base_s=prof.decode_base_s + per_step, decode_per_ctx_token_s=per_ctx,
-        source=f"{prof.source}; serving path: prefill x{scale:.2f} {fixed * 1e3:+.1f} ms, +{latency * 1e3:.1f} ms per request "
-               f"+{per_token * 1e6:.1f} us per prompt token, {per_step * 1e3:+.2f} ms per decode step "
-               f"+{per_ctx * 1e6:.2f} us per context token, measured {time.strftime('%Y-%m-%d')}")
+        source=f"{prof.source}; serving path: prefill x{scale:.2f} {fixed * 1e3:+.1f} ms, "
+               f"+{latency * 1e3:.1f} ms per request +{per_token * 1e6:.1f} us per prompt token, {per_step * 1e3:+.2f} ms per decode step "
+               f"+{per_ctx * 1e6:.2f} us per context token, decode intake {join_base * 1e3:.1f} ms "
+               f"+{join_per_token * 1e6:.1f} us per prompt token, measured {time.strftime('%Y-%m-%d')}")
 
 
 def _theil_sen(x: np.ndarray, y: np.ndarray) -> float | None:

@@ -185,3 +185,15 @@ def test_profile_points_are_the_best_of_repeats():
     assert best_of(lambda: next(times)) == 0.006
     calls = []
     assert best_of(lambda: calls.append(1) or 0.5, repeats=0) == 0.5 and len(calls) == 1
+
+
+def test_taking_a_request_in_delays_the_decode_batch():
+    # 20 ms steps; B joins at 0.1 s while A decodes: with a 30 ms intake A's steps after it are 30 ms later
+    req = _requests([0.0, 0.1], [100, 100], 11)
+    free = simulate_decode_worker(FLAT, req.unit_arrivals, req.prompt, req.output)
+    assert free.tolist() == pytest.approx([0.02, 0.02])
+    slow = Profile(prefill_per_token_s=1e-3, decode_base_s=0.02, decode_join_base_s=0.01,
+                   decode_join_per_token_s=2e-4)
+    got = simulate_decode_worker(slow, req.unit_arrivals, req.prompt, req.output)
+    assert got[0] == pytest.approx((10 * 0.02 + 2 * 0.03) / 10)  # its own intake and B's
+    assert got[1] > 0.02

@@ -53,6 +53,10 @@ def test_calibration_fits_the_path_s_prefill_scale_and_latency():
     occ = calibrate(prof, ttfts, [None] * 5, tokens, [0] * 5, service=cpu)
     assert occ.prefill_per_token_s == pytest.approx(1.2e-3) and occ.prefill_base_s == pytest.approx(0.032)
     assert occ.transfer_base_s == pytest.approx(0.063) and occ.transfer_per_token_s == pytest.approx(3e-4)
+    assert occ.decode_join_base_s == 0 and occ.decode_join_per_token_s == 0  # not measured: free
+    # the decode worker's time per request beyond its steps: 4 ms + 10 us per prompt token
+    joined = calibrate(prof, ttfts, [None] * 5, tokens, [0] * 5, join=[0.004 + 1e-5 * n for n in tokens])
+    assert joined.decode_join_base_s == pytest.approx(0.004) and joined.decode_join_per_token_s == pytest.approx(1e-5)
     n = np.array(tokens)
     assert occ.prefill_s(n, np.zeros(5)) + occ.exposed_transfer_s(n) == pytest.approx(ttfts)
 
