@@ -26,6 +26,10 @@ class ClusterSpec:
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
+    # a prefill worker's step budget (None: max_num_batched_tokens). Every prompt of a step has its KV at the step's
+    # end; where a step's time grows with its tokens (CPU workers), about one long prompt per step returns the first
+    # prompts of a burst sooner and costs little throughput
+    prefill_max_batched_tokens: int | None = None
     max_model_len: int | None = None
     cpus_per_worker: float = 1.0
     # pin each worker's process to cores of its own (single-node CPU runs): workers take consecutive blocks of
@@ -64,6 +68,8 @@ class ClusterSpec:
             raise InvalidRequestError(f"no checkpoint at {self.model_dir}")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise InvalidRequestError("need at least one prefill and one decode worker")
+        if self.prefill_max_batched_tokens is not None and self.prefill_max_batched_tokens < 1:
+            raise InvalidRequestError("prefill_max_batched_tokens must be >= 1 (or None)")
         if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens < 1:
             raise InvalidRequestError("max_prefill_queue_tokens must be >= 1 (or None)")
         if self.transport not in TRANSPORTS:
@@ -161,11 +167,14 @@ class ClusterSpec:
         return None if policy is None else policy.to_dict()
 
     def engine_config(self, role: str) -> dict:
-        """EngineConfig fields for a worker of ``role`` (prefill workers skip prefix-free... same pool layout)."""
+        """EngineConfig fields for a worker of ``role`` (the same pool layout; prefill workers take their own step
+        budget when ``prefill_max_batched_tokens`` is set)."""
+        budget = self.max_num_batched_tokens
+        if role == "prefill" and self.prefill_max_batched_tokens is not None:
+            budget = self.prefill_max_batched_tokens
         return dict(dtype=self.dtype, device="cuda" if self.gpus_per_worker > 0 else "cpu",
                     block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
-                    max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                    **self.extra_engine)
+                    max_num_batched_tokens=budget, max_model_len=self.max_model_len, **self.extra_engine)
 
     def to_dict(self) -> dict:
         return asdict(self)

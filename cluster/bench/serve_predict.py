@@ -17,7 +17,14 @@ import time
 import numpy as np
 
 from cluster.bench.report import fmt, format_table, ms
-from cluster.planner import Profile, Requests, simulate_colocated_gpu, simulate_decode_worker, simulate_prefill_pool
+from cluster.planner import (
+    DEFAULT_BATCHED_TOKENS,
+    Profile,
+    Requests,
+    simulate_colocated_gpu,
+    simulate_decode_worker,
+    simulate_prefill_pool,
+)
 
 TOLERANCE = 0.25  # the issue's bound on |predicted / measured - 1|
 CHECKED = ("ttft_s", "tpot_s")
@@ -95,11 +102,12 @@ def _pcts(xs: np.ndarray) -> dict:
     return {f"p{q}": float(np.percentile(xs, q)) if len(xs) else None for q in (50, 90, 99)}
 
 
-def predict(workers: Profile, colocated: Profile, req: Requests, rate: float) -> dict:
+def predict(workers: Profile, colocated: Profile, req: Requests, rate: float, *,
+            prefill_budget: int = DEFAULT_BATCHED_TOKENS) -> dict:
     """Simulated TTFT / TPOT percentiles of both systems at ``rate`` (``{"disaggregated": ..., "colocated": ...}``,
     each ``{"ttft_s": {p50, p90, p99}, "tpot_s": {...}}``; TPOT over requests with more than one output token)."""
     arrive = req.unit_arrivals / rate
-    ttft = simulate_prefill_pool(workers, req, rate, 1)
+    ttft = simulate_prefill_pool(workers, req, rate, 1, max_batched_tokens=prefill_budget)
     first = arrive + ttft
     order = np.argsort(first, kind="stable")
     tpot = np.zeros(len(first))

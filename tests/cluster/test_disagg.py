@@ -70,6 +70,28 @@ def test_spec_is_validated(tiny_model_dir, tmp_path):
         ClusterSpec(model_dir=str(tiny_model_dir), num_decode=0)
     with pytest.raises(DuetError):
         ClusterSpec(model_dir=str(tiny_model_dir), transport="inproc")
+    with pytest.raises(InvalidRequestError, match="prefill_max_batched_tokens"):
+        ClusterSpec(model_dir=str(tiny_model_dir), prefill_max_batched_tokens=0)
+
+
+def test_prefill_workers_can_take_their_own_step_budget(ray_cluster, tiny_model_dir):
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), max_num_batched_tokens=4096, prefill_max_batched_tokens=1100)
+    assert spec.engine_config("prefill")["max_num_batched_tokens"] == 1100
+    assert spec.engine_config("decode")["max_num_batched_tokens"] == 4096
+    assert ClusterSpec(model_dir=str(tiny_model_dir)).engine_config("prefill")["max_num_batched_tokens"] == 4096
+    # a budget smaller than the prompts: they are prefilled in chunks across steps, and stream the same KV
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_prefill=1, num_decode=1, num_kv_blocks=64, block_size=4,
+                       max_num_seqs=8, max_model_len=128, cpus_per_worker=1, request_timeout_s=60,
+                       prefill_max_batched_tokens=8)
+    prompts = [make_request(20 + i, seed=30 + i, images=[make_image(i)] * (i % 2)) for i in range(3)]
+    params = [greedy(4)] * 3
+    c = DisaggCluster(spec)
+    try:
+        got = c.generate_batch(prompts, params)
+        assert [x.token_ids for x in got] == _local(tiny_model_dir, prompts, params)
+        _assert_idle(c)
+    finally:
+        c.shutdown()
 
 
 # ------------------------------------------------------------------------------------------------------------ faults
