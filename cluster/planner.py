@@ -46,7 +46,6 @@ import numpy as np
 
 from engine.errors import DuetError
 
-
 DEFAULT_BATCHED_TOKENS = 4096  # a colocated step's token budget: the engine's default max_num_batched_tokens
 
 

@@ -26,9 +26,9 @@ class ClusterSpec:
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
-    # a prefill worker's step budget (None: max_num_batched_tokens). Every prompt of a step has its KV at the step's
-    # end; where a step's time grows with its tokens (CPU workers), about one long prompt per step returns the first
-    # prompts of a burst sooner and costs little throughput
+    # a prefill worker's step budget (None: max_num_batched_tokens); every prompt of a step has its KV at the step's
+    # end, so a smaller budget returns a burst's first prompts sooner where a step's time grows with its tokens (CPU),
+    # at the cost of chunking prompts that do not fit
     prefill_max_batched_tokens: int | None = None
     max_model_len: int | None = None
     cpus_per_worker: float = 1.0

@@ -12,9 +12,8 @@ starting with no cached image encodings (the rates replay the same images):
   a request that arrives during a long step is charged the wait;
 * disaggregated -- a 1 prefill + 1 decode :class:`~cluster.disagg.DisaggCluster` (one thread each, pinned to a
   core of its own unless ``--no-pin``; KV over ``--kv-transport``), each request started by an asyncio task at its
-  arrival time and streamed. Its prefill worker's step budget is the workload's longest prompt
-  (``--prefill-batched-tokens``): a step's time grows with its tokens on a CPU, so one long prompt per step returns
-  the first prompts of a burst sooner than a 4096-token step (TTFT mean -20..-35% at 7 req/s).
+  arrival time and streamed. ``--prefill-batched-tokens`` sets its prefill worker's step budget (default: the
+  engine's 4096 tokens; a budget of one long prompt measured no better on this workload).
 
 ``MODEL_DIR`` ``bench`` runs the ``duet bench`` model (54M parameters, 256 visual tokens per image), whose
 image prompts take long enough to prefill that a colocated engine's decode steps wait behind them; the demo model's
@@ -49,6 +48,7 @@ import numpy as np
 
 from cluster.bench import serve_predict
 from cluster.bench.report import fmt, format_table, log, ms, write_json
+from cluster.planner import DEFAULT_BATCHED_TOKENS
 
 RATES = (0.5, 1.0, 2.0, 4.0)
 QUICK_RATES = (4.0,)
@@ -221,7 +221,8 @@ def drive_disagg(cluster, arrivals: list[Arrival], bar) -> list[dict]:
 
 
 def _setup(quick: bool) -> dict:
-    return {"dtype": "float32", "max_num_seqs": 32, "num_kv_blocks": 256 if quick else 2048, "block_size": 16}
+    return {"dtype": "float32", "max_num_seqs": 32, "num_kv_blocks": 256 if quick else 2048, "block_size": 16,
+            "max_num_batched_tokens": DEFAULT_BATCHED_TOKENS}
 
 
 def _measure(args: argparse.Namespace, model_dir: Path, rates: tuple[float, ...], n: int
@@ -248,7 +249,7 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
     tok = llm.get_tokenizer()
     # the same prompts at every rate (only the times scale): count their tokens once
     prompt_tokens = [len(llm.engine.inputs.process(a.prompt).token_ids) for a in _workload(args, tok, n, 1.0)]
-    budget = args.prefill_batched_tokens or max(prompt_tokens)
+    budget = args.prefill_batched_tokens or _setup(args.quick)["max_num_batched_tokens"]
     spec = ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport=args.kv_transport,
                        cpus_per_worker=1, pin_cpus=args.pin, extra_engine={"enable_prefix_caching": False},
                        prefill_max_batched_tokens=budget, **_setup(args.quick))
@@ -420,8 +421,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated-threads", type=int, default=2, help="torch threads of the colocated engine")
     p.add_argument("--kv-transport", default="gloo", choices=["gloo", "grpc"])
     p.add_argument("--prefill-batched-tokens", type=int, default=0,
-                   help="the prefill worker's step budget (ClusterSpec.prefill_max_batched_tokens; default 0: the "
-                        "workload's longest prompt, one long prompt per step)")
+                   help="the prefill worker's step budget (ClusterSpec.prefill_max_batched_tokens; default 0: "
+                        "the engine's max_num_batched_tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench_out/serve.json", help="where to write the results (plots beside it)")
     p.add_argument("--predict", action=argparse.BooleanOptionalAction, default=True,
