@@ -45,6 +45,7 @@ class DecodeActor(WorkerActorBase):
                                    expert_parallel=ep,
                                    expert_tiers=None if expert_tiers is None else TierConfig(**expert_tiers))
         self.cond = threading.Condition()
+        self.wake = threading.Event()  # set by allocate: an idle loop sleeps on it instead of polling
         self.pending: list[dict] = []  # token deltas and failures not yet polled
         self.sent: dict[str, int] = {}  # tokens already reported per request
         self.thread: threading.Thread | None = None
@@ -100,6 +101,7 @@ class DecodeActor(WorkerActorBase):
                 self.sent[m["request_id"]] = 0
         except (DuetError, ValueError, KeyError) as e:
             return messages.error_reply(e)
+        self.wake.set()
         return messages.pack(lease=lease.to_dict(), free_blocks=self.worker.free_blocks)
 
     def abort(self, request_id: str) -> bool:
@@ -132,6 +134,7 @@ class DecodeActor(WorkerActorBase):
 
     def shutdown(self) -> None:
         self.stopped = True
+        self.wake.set()
         with self.cond:
             self.cond.notify_all()
         if self.thread is not None:
@@ -148,10 +151,13 @@ class DecodeActor(WorkerActorBase):
                 decoding = self.worker.engine.has_unfinished_requests()
                 events = self._step() if decoding or self.worker.receivers else []
             self._publish(events)
-            if not decoding:
-                # Only transfers in flight (or nothing): poll them every 2 ms instead of spinning, which would
-                # starve the transport's receive thread of the GIL and slow every transfer ~100x.
+            if not decoding and self.worker.receivers:
+                # Only transfers in flight: poll them every 2 ms instead of spinning, which would starve the
+                # transport's receive thread of the GIL and slow every transfer ~100x.
                 time.sleep(0.002)
+            elif not decoding:  # nothing at all: sleep until a request is allocated (2.5% of a core polling)
+                self.wake.wait(0.05)
+                self.wake.clear()
 
     def _group_loop(self) -> None:
         """One group tick per iteration until the group agrees to stop (any rank's shutdown)."""
