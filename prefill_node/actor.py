@@ -30,7 +30,6 @@ class PrefillActor(WorkerActorBase):
         self.worker = PrefillWorker(model_dir, EngineConfig(**engine_config), stream_layers=stream_layers,
                                     compression=compression)
         self.wake = threading.Event()
-        self.busy_s = 0.0  # seconds spent taking requests in and prefilling them (what the worker's core is busy with)
         self._start()
 
     def submit(self, msg: bytes) -> bytes:
@@ -38,7 +37,6 @@ class PrefillActor(WorkerActorBase):
             m = messages.unpack(msg)
             lease = Lease.from_dict(m["lease"])
             with self.lock:
-                t0 = time.perf_counter()
                 sender = self.manager.sender(lease, codec=self.worker.codec)
                 try:
                     self.worker.submit(m["request_id"], messages.prompt_from_wire(m["prompt"]),
@@ -46,8 +44,6 @@ class PrefillActor(WorkerActorBase):
                 except BaseException:
                     sender.abort("prefill rejected the request")
                     raise
-                finally:
-                    self.busy_s += time.perf_counter() - t0
         except (DuetError, ValueError, KeyError) as e:
             return messages.error_reply(e)
         self.wake.set()
@@ -62,7 +58,7 @@ class PrefillActor(WorkerActorBase):
             e = self.worker.engine
             return messages.pack(worker_id=self.worker_id, outstanding_tokens=self.worker.outstanding_tokens,
                                  waiting=len(e.scheduler.waiting), running=len(e.scheduler.running),
-                                 free_blocks=e.block_manager.num_free_blocks, busy_s=self.busy_s,
+                                 free_blocks=e.block_manager.num_free_blocks,
                                  cpu_s=time.process_time())  # every thread's: compute, intake, KV sends
 
     def inject_fault(self, kind: str, value: float) -> None:
@@ -86,14 +82,12 @@ class PrefillActor(WorkerActorBase):
             with self.lock:
                 busy = self.worker.has_work()
                 if busy:
-                    t0 = time.perf_counter()
                     try:
                         self.worker.step()
                     except Exception:  # never let one bad step kill the worker; fail what was in flight
                         logger.exception("prefill step failed")
                         for rid in list(self.worker.senders):
                             self.worker.abort(rid, "prefill step failed")
-                    self.busy_s += time.perf_counter() - t0
             if not busy:
                 self.wake.wait(0.05)
                 self.wake.clear()

@@ -48,7 +48,6 @@ import numpy as np
 
 from cluster.bench import serve_predict
 from cluster.bench.report import fmt, format_table, log, ms, write_json
-from cluster.planner import DEFAULT_BATCHED_TOKENS
 
 RATES = (0.5, 1.0, 2.0, 4.0)
 QUICK_RATES = (4.0,)
@@ -221,8 +220,7 @@ def drive_disagg(cluster, arrivals: list[Arrival], bar) -> list[dict]:
 
 
 def _setup(quick: bool) -> dict:
-    return {"dtype": "float32", "max_num_seqs": 32, "num_kv_blocks": 256 if quick else 2048, "block_size": 16,
-            "max_num_batched_tokens": DEFAULT_BATCHED_TOKENS}
+    return {"dtype": "float32", "max_num_seqs": 32, "num_kv_blocks": 256 if quick else 2048, "block_size": 16}
 
 
 def _measure(args: argparse.Namespace, model_dir: Path, rates: tuple[float, ...], n: int
@@ -248,11 +246,11 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
     llm = LLM(model_dir, enable_prefix_caching=False, **_setup(args.quick))
     tok = llm.get_tokenizer()
     # the same prompts at every rate (only the times scale): count their tokens once
-    prompt_tokens = [len(llm.engine.inputs.process(a.prompt).token_ids) for a in _workload(args, tok, n, 1.0)]
-    budget = args.prefill_batched_tokens or _setup(args.quick)["max_num_batched_tokens"]
+    prompt_tokens = [_prompt_tokens(llm, a) for a in _workload(args, tok, n, 1.0)]
     spec = ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport=args.kv_transport,
                        cpus_per_worker=1, pin_cpus=args.pin, extra_engine={"enable_prefix_caching": False},
-                       prefill_max_batched_tokens=budget, **_setup(args.quick))
+                       prefill_max_batched_tokens=args.prefill_batched_tokens or None, **_setup(args.quick))
+    budget = spec.engine_config("prefill")["max_num_batched_tokens"]
     cluster = DisaggCluster(spec)
     try:
         warm = make_workload(tok, 2, 100.0, seed=args.seed + 1, image_fraction=0.5, output_mean=2, output_max=2)
@@ -297,8 +295,8 @@ def _workload(args: argparse.Namespace, tok, n: int, rate: float) -> list[Arriva
                          output_mean=args.output_mean, output_max=args.output_max, images=args.images)
 
 
-def _prompt_tokens(cluster, a: Arrival) -> int:
-    return len(cluster.prepare(a.prompt)[0].token_ids)
+def _prompt_tokens(llm, a: Arrival) -> int:
+    return len(llm.engine.inputs.process(a.prompt).token_ids)
 
 
 def _profiles(args: argparse.Namespace, model_dir: Path, llm, cluster, tok) -> dict:
@@ -319,7 +317,7 @@ def _profiles(args: argparse.Namespace, model_dir: Path, llm, cluster, tok) -> d
     probe = [dataclasses.replace(a, at_s=0.0, max_tokens=12) for frac in (0.0, 1.0) for a in
              make_workload(tok, 4, 1.0, seed=args.seed + 2, image_fraction=frac, output_mean=2, output_max=2,
                            images=args.images)]  # short and long prompts: calibrate fits a scale and a latency
-    tokens = [_prompt_tokens(cluster, a) for a in probe]
+    tokens = [_prompt_tokens(llm, a) for a in probe]
     # the prefill worker's CPU time is what a request occupies its core with, and the decode worker's beyond its steps
     # what taking the request in costs it (the idle loop's own rate taken out); the colocated engine has no such split
     idle = _decode_idle_rate(cluster)
@@ -347,11 +345,7 @@ def _worker_cpu_s(cluster) -> tuple[float, float]:
 
 
 def _decode_overhead_s(cluster) -> float:
-    import ray
-
-    from cluster import messages
-
-    st = messages.unpack(ray.get(cluster.decodes[0].actor.stats.remote(), timeout=30))
+    st = _stats(cluster.decodes[0])
     return float(st["cpu_s"] - st["step_s"])
 
 
@@ -363,11 +357,15 @@ def _decode_idle_rate(cluster, seconds: float = 1.0) -> float:
 
 
 def _prefill_cpu_s(cluster) -> float:
+    return float(_stats(cluster.prefills[0])["cpu_s"])
+
+
+def _stats(worker) -> dict:
     import ray
 
     from cluster import messages
 
-    return float(messages.unpack(ray.get(cluster.prefills[0].actor.stats.remote(), timeout=30))["cpu_s"])
+    return messages.unpack(ray.get(worker.actor.stats.remote(), timeout=30))
 
 
 class _NoBar:

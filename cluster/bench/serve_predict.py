@@ -86,7 +86,8 @@ def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prom
         transfer_base_s=latency, transfer_per_token_s=per_token, transfer_exposed_fraction=1.0,
         decode_base_s=prof.decode_base_s + per_step, decode_per_ctx_token_s=per_ctx,
         source=f"{prof.source}; serving path: prefill x{scale:.2f} {fixed * 1e3:+.1f} ms, "
-               f"+{latency * 1e3:.1f} ms per request +{per_token * 1e6:.1f} us per prompt token, {per_step * 1e3:+.2f} ms per decode step "
+               f"+{latency * 1e3:.1f} ms per request +{per_token * 1e6:.1f} us per prompt token, "
+               f"{per_step * 1e3:+.2f} ms per decode step "
                f"+{per_ctx * 1e6:.2f} us per context token, decode intake {join_base * 1e3:.1f} ms "
                f"+{join_per_token * 1e6:.1f} us per prompt token, measured {time.strftime('%Y-%m-%d')}")
 
@@ -116,7 +117,8 @@ def predict(workers: Profile, colocated: Profile, req: Requests, rate: float, *,
     c_ttft = c_ttft + colocated.exposed_transfer_s(req.prompt)  # its fixed per-request cost (front-end, stream)
     multi = req.output > 1
     service = float(np.mean(workers.prefill_s(req.prompt, req.images)))  # the prefill core's time per request
-    return {"disaggregated": {"ttft_s": _pcts(ttft), "tpot_s": _pcts(tpot[multi]), "prefill_cpu_s_per_request": service},
+    return {"disaggregated": {"ttft_s": _pcts(ttft), "tpot_s": _pcts(tpot[multi]),
+                              "prefill_cpu_s_per_request": service},
             "colocated": {"ttft_s": _pcts(c_ttft), "tpot_s": _pcts(c_tpot[multi])}}
 
 
