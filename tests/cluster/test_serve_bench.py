@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from cluster.bench.serve_bench import criteria, make_workload, summarise
+from cluster.bench.serve_bench import criteria
+from cluster.bench.serve_workload import make_workload, summarise
 from cluster.cli import main
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cluster.bench.serve_bench import Arrival
 from cluster.bench.serve_predict import calibrate, errors, predict, requests_of, within
+from cluster.bench.serve_workload import Arrival
 from cluster.planner import Profile
 
 
