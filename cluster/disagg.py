@@ -37,6 +37,9 @@ from engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 PREFILL_QUEUE_LEASE_FRACTION = 0.5  # a prefill worker's admitted work, in measured seconds, vs lease_base_s
+# a decode worker's long poll: it returns as soon as there are tokens, so this only bounds how often an idle worker
+# is asked (was 50 ms: 20 RPCs a second per idle worker)
+POLL_S = 1.0
 SPEED_EWMA = 0.2  # weight of the newest submit-to-first-token sample in a prefill worker's speed
 
 
@@ -264,13 +267,13 @@ class DisaggCluster:
         while w.inflight:  # no new request is placed on it (routing skips draining workers); running ones finish
             await asyncio.sleep(0.05)
         w.load.alive = False
-        poller = self._poller_of.pop(wid, None)
-        if poller is not None:  # let it finish its current poll (<= 50 ms) rather than see the actor die
-            await asyncio.wait_for(asyncio.wrap_future(poller), timeout=30)
-        try:
+        try:  # stops its loop and ends the poll in flight (the poller then sees the worker gone and returns)
             await asyncio.wait_for(_aref(w.actor.shutdown.remote()), timeout=10)
         except Exception as e:  # noqa: BLE001 - already gone; the kill below makes sure
             logger.debug("shutdown of %s: %s", wid, e)
+        poller = self._poller_of.pop(wid, None)
+        if poller is not None:  # let it return from that poll rather than see the actor die
+            await asyncio.wait_for(asyncio.wrap_future(poller), timeout=30)
         ray.kill(w.actor)
         pool.remove(w)
         self.total_blocks.pop(wid, None)
@@ -591,7 +594,7 @@ class DisaggCluster:
 
         while w.load.alive:
             try:
-                msg = messages.unpack(await asyncio.wait_for(_aref(w.actor.poll.remote(0.05)), timeout=30))
+                msg = messages.unpack(await asyncio.wait_for(_aref(w.actor.poll.remote(POLL_S)), timeout=30))
             except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
                 w.load.alive = False
                 logger.error("decode worker %s is gone: %s", w.load.worker_id, e)

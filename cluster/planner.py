@@ -173,27 +173,43 @@ class SLO:
 
 # ------------------------------------------------------------------------------------------------------ simulators
 def simulate_prefill_pool(prof: Profile, req: Requests, rate: float, workers: int, *,
-                          max_batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> np.ndarray:
-    """TTFT of every request through a FCFS pool of ``workers`` prefill workers at ``rate`` req/s.
+                          max_batched_tokens: int = DEFAULT_BATCHED_TOKENS, policy: str = "fcfs") -> np.ndarray:
+    """TTFT of every request through a pool of ``workers`` prefill workers at ``rate`` req/s.
 
-    A worker that frees up takes every prompt that has arrived, in order, as many as ``max_batched_tokens`` holds (at
-    least one) into one step, as the engine schedules; the step takes their prefill times together and every prompt
-    in it has its KV at the step's end (a prompt waits for the others in its step, which FCFS one at a time would not
-    charge it)."""
+    A worker that frees up takes prompts that have arrived into one step, as the engine schedules them: ``fcfs`` in
+    arrival order, as many as ``max_batched_tokens`` holds (at least one); ``shortest`` (the engine's
+    ``scheduling_policy``) shortest first, each at most twice the prompt tokens already in the step. The step takes
+    their prefill times together and every prompt in it has its KV at the step's end (a prompt waits for the others
+    in its step, which one prompt at a time would not charge it). ``shortest``'s age limit is not modelled."""
+    if policy not in ("fcfs", "shortest"):
+        raise ValueError(f"policy must be 'fcfs' or 'shortest', got {policy!r}")
     arrive = (req.unit_arrivals / rate).tolist()
     service = prof.prefill_s(req.prompt, req.images).tolist()
     prompts = req.prompt.tolist()
     free = [0.0] * workers
     done = np.empty(len(arrive))
-    nxt, n = 0, len(arrive)
-    while nxt < n:
-        start = max(arrive[nxt], heapq.heappop(free))
-        end, tokens, first = start, 0, nxt
-        while nxt < n and arrive[nxt] <= start and (nxt == first or tokens + prompts[nxt] <= max_batched_tokens):
-            end += service[nxt]
-            tokens += prompts[nxt]
+    waiting: list[tuple[int, int]] = []  # (key, index): arrival order for fcfs, prompt tokens for shortest
+    nxt, n, left, clock = 0, len(arrive), len(arrive), 0.0
+    while left:
+        start = max(clock, heapq.heappop(free))  # never before a prompt already taken from the queue
+        if not waiting:
+            start = max(start, arrive[nxt])
+        clock = start
+        while nxt < n and arrive[nxt] <= start:
+            heapq.heappush(waiting, (prompts[nxt] if policy == "shortest" else nxt, nxt))
             nxt += 1
-        done[first:nxt] = end
+        end, tokens, batch = start, 0, []
+        while waiting:
+            i = waiting[0][1]
+            if batch and (tokens + prompts[i] > max_batched_tokens
+                          or (policy == "shortest" and prompts[i] > 2 * tokens)):
+                break
+            heapq.heappop(waiting)
+            batch.append(i)
+            end += service[i]
+            tokens += prompts[i]
+        done[batch] = end
+        left -= len(batch)
         heapq.heappush(free, end)
     return done - np.asarray(arrive) + prof.exposed_transfer_s(req.prompt)
 

@@ -237,6 +237,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     vision_cache_size: int = 64
+    scheduling_policy: str = "fcfs"  # admission order: "fcfs" or "shortest" (engine.scheduler)
+    scheduling_max_wait_s: float = 10.0  # "shortest": a prompt waiting this long goes first
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -248,6 +250,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+        if self.scheduling_policy not in ("fcfs", "shortest"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'shortest', got {self.scheduling_policy!r}")
+        if not self.scheduling_max_wait_s > 0:
+            raise ValueError("scheduling_max_wait_s must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

@@ -54,7 +54,8 @@ class LLMEngine:
         self.max_model_len = max_len
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   policy=config.scheduling_policy, max_wait_s=config.scheduling_max_wait_s)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   max_model_len=max_len, max_num_seqs=config.max_num_seqs, dtype=self.dtype,
                                   device=self.device,

@@ -8,16 +8,26 @@ admitted running sequence is preempted: its blocks are freed (their hashes stay 
 of ``waiting`` to be recomputed, prompt plus tokens generated so far.
 
 Each step spends at most ``max_num_batched_tokens``: running sequences first (decodes cost one token, a pending
-prefill chunk as much as the budget allows), then new admissions in arrival order.
+prefill chunk as much as the budget allows), then new admissions. ``policy`` orders the admissions:
+
+- ``fcfs``: arrival order.
+- ``shortest``: fewest prompt tokens left first, and a prompt joins a step only if it is at most twice as long as
+  the prompt tokens already in it. Every prompt of a step gets its first token at the step's end, so a short prompt
+  batched with a long one waits for the long one; this policy gives short prompts steps of their own (meant for
+  prefill workers, whose TTFT is their whole latency; a prompt that has waited ``max_wait_s`` goes first, in
+  arrival order, so long prompts are never starved).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+
+POLICIES = ("fcfs", "shortest")
 
 
 @dataclass
@@ -29,6 +39,11 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """True when this step reaches the end of the sequence's tokens, so its next token is sampled."""
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One token that samples (a one-token chunk in the middle of a prompt is a prefill)."""
+        return self.num_tokens == 1 and self.samples
 
 
 @dataclass
@@ -43,8 +58,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs", max_wait_s: float = 10.0) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {list(POLICIES)}, got {policy!r}")
         self.bm = block_manager
+        self.policy, self.max_wait_s = policy, max_wait_s
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -83,10 +102,17 @@ class Scheduler:
                 chosen.append(ScheduledSeq(seq, n))
                 budget -= n
                 i += 1
+        shortest = self.policy == "shortest"
+        if shortest and len(self.waiting) > 1:
+            self._order_shortest()
+        step_tokens = sum(c.num_tokens for c in chosen if not c.is_decode)  # prompt tokens already in the step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             hits = self.bm.lookup_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
+            if shortest and step_tokens and n > 2 * step_tokens:
+                break  # a much longer prompt: the shorter ones already in the step get it to themselves
+            step_tokens += n
             if not self.bm.can_allocate(seq, hits, n):
                 break
             self.waiting.popleft()
@@ -100,9 +126,20 @@ class Scheduler:
             chosen.append(ScheduledSeq(seq, n))
             budget -= n
         # A one-token chunk in the middle of a prompt (budget nearly spent) is a prefill: it must not sample.
-        decodes = [s for s in chosen if s.num_tokens == 1 and s.samples]
-        return SchedulerOutput(prefills=[s for s in chosen if not (s.num_tokens == 1 and s.samples)],
+        decodes = [s for s in chosen if s.is_decode]
+        return SchedulerOutput(prefills=[s for s in chosen if not s.is_decode],
                                decodes=decodes, preempted=preempted)
+
+    def _order_shortest(self) -> None:
+        """Waiting sequences by prompt tokens left; those waiting ``max_wait_s`` or longer first, oldest first."""
+        now = time.perf_counter()
+
+        def key(q: Sequence) -> tuple[int, float]:
+            if now - q.metrics.arrival_time >= self.max_wait_s:
+                return 0, q.metrics.arrival_time
+            return 1, q.num_tokens - q.num_computed_tokens
+
+        self.waiting = deque(sorted(self.waiting, key=key))
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)

@@ -12,8 +12,13 @@ starting with no cached image encodings (the rates replay the same images):
   a request that arrives during a long step is charged the wait;
 * disaggregated -- a 1 prefill + 1 decode :class:`~cluster.disagg.DisaggCluster` (one thread each, pinned to a
   core of its own unless ``--no-pin``; KV over ``--kv-transport``), each request started by an asyncio task at its
-  arrival time and streamed. ``--prefill-batched-tokens`` sets its prefill worker's step budget (default: the
-  engine's 4096 tokens; a budget of one long prompt measured no better on this workload).
+  arrival time and streamed. Its prefill worker schedules ``--prefill-policy`` (default ``shortest``: short
+  prompts get steps of their own rather than waiting for a long prompt batched with them) within a step budget of
+  ``--prefill-batched-tokens`` (default: the workload's longest prompt, so a step holds one long prompt or several
+  short ones).
+
+The colocated engine runs every rate first, before the cluster is started: an idle cluster on the same cores (its
+actors and their RPCs) slowed the colocated engine's two-thread steps enough to cut its goodput by ~20%.
 
 ``MODEL_DIR`` ``bench`` runs the ``duet bench`` model (54M parameters, 256 visual tokens per image), whose
 image prompts take long enough to prefill that a colocated engine's decode steps wait behind them; the demo model's
@@ -167,57 +172,75 @@ def _measure(args: argparse.Namespace, model_dir: Path, rates: tuple[float, ...]
 
 def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float, ...], n: int
                   ) -> tuple[list[dict], dict | None]:
+    """Every rate on the colocated engine first, then the cluster is started and every rate runs on it: an idle
+    cluster beside the colocated engine (its actors, their RPCs) slowed the engine's two-thread steps by ~20%
+    (measured: goodput 2.5-2.8 alone against 2.1-2.2 beside it at the same rate), which the baseline must not pay."""
     from tqdm import tqdm
 
     from cluster.disagg import DisaggCluster
     from cluster.spec import ClusterSpec
     from engine import LLM
 
-    llm = LLM(model_dir, enable_prefix_caching=False, **_setup(args.quick))
+    llm = LLM(model_dir, enable_prefix_caching=False, **_setup(args.quick), **_policy(args, "colocated"))
     tok = llm.get_tokenizer()
     # the same prompts at every rate (only the times scale): count their tokens once
     prompt_tokens = [_prompt_tokens(llm, a) for a in _workload(args, tok, n, 1.0)]
+    warm = make_workload(tok, 2, 100.0, seed=args.seed + 1, image_fraction=0.5, output_mean=2, output_max=2)
+    probe = _probe(args, tok)
+    rows = [{"rate": rate} for rate in rates]
+    profiles = None
+
+    def run_rates(name: str, drive, target, clear) -> None:
+        for row in rows:
+            arrivals = _workload(args, tok, n, row["rate"])
+            row["image_requests"] = sum(a.kind == "image" for a in arrivals)
+            clear()  # every rate replays the same images: each system starts it without their encodings
+            cpu0 = _prefill_cpu_s(target) if name == "disaggregated" else None
+            with tqdm(total=n, desc=f"{name} @ {row['rate']:g} req/s", leave=False, file=sys.stderr) as bar:
+                recs = drive(target, arrivals, bar)
+            row[name] = summarise(recs, ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo) | {"records": recs}
+            if cpu0 is not None:  # the prefill core's time per request under this load (the planner's service)
+                row[name]["prefill_cpu_s_per_request"] = (_prefill_cpu_s(target) - cpu0) / n
+
+    drive_colocated(llm, warm, _NoBar())
+    if args.predict:
+        profiles = {"colocated": _profile_colocated(args, model_dir, llm, probe)}
+    run_rates("colocated", drive_colocated, llm, llm.engine.clear_vision_cache)
     spec = ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport=args.kv_transport,
-                       cpus_per_worker=1, pin_cpus=args.pin, extra_engine={"enable_prefix_caching": False},
-                       prefill_max_batched_tokens=args.prefill_batched_tokens or None, **_setup(args.quick))
+                       cpus_per_worker=1, pin_cpus=args.pin,
+                       extra_engine={"enable_prefix_caching": False, **_policy(args, "prefill")},
+                       prefill_max_batched_tokens=args.prefill_batched_tokens or max(prompt_tokens),
+                       **_setup(args.quick))
     budget = spec.engine_config("prefill")["max_num_batched_tokens"]
     cluster = DisaggCluster(spec)
     try:
-        warm = make_workload(tok, 2, 100.0, seed=args.seed + 1, image_fraction=0.5, output_mean=2, output_max=2)
-        drive_colocated(llm, warm, _NoBar())
         drive_disagg(cluster, warm, _NoBar())
-        profiles = _profiles(args, model_dir, llm, cluster, tok) if args.predict else None
-        rows = []
-        for rate in rates:
-            arrivals = _workload(args, tok, n, rate)
-            row: dict = {"rate": rate, "image_requests": sum(a.kind == "image" for a in arrivals)}
-            for name, drive, target in (("colocated", drive_colocated, llm), ("disaggregated", drive_disagg, cluster)):
-                # every rate replays the same images: each system starts it without their encodings
-                if name == "colocated":
-                    llm.engine.clear_vision_cache()
-                else:
-                    cluster.clear_vision_caches()
-                cpu0 = _prefill_cpu_s(cluster) if name == "disaggregated" else None
-                with tqdm(total=n, desc=f"{name} @ {rate:g} req/s", leave=False, file=sys.stderr) as bar:
-                    recs = drive(target, arrivals, bar)
-                row[name] = summarise(recs, ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo) | {"records": recs}
-                if cpu0 is not None:  # the prefill core's time per request under this load (the planner's service)
-                    row[name]["prefill_cpu_s_per_request"] = (_prefill_cpu_s(cluster) - cpu0) / n
-            c, d = row["colocated"], row["disaggregated"]
-            row["ratios"] = {"p99_tpot": ratio(d["tpot_s"]["p99"], c["tpot_s"]["p99"]),
-                             "goodput": ratio(d["goodput_req_s"], c["goodput_req_s"])}
-            if profiles is not None:
-                req = serve_predict.requests_of(arrivals, prompt_tokens, rate)
-                row["predicted"] = serve_predict.predict(profiles["workers"], profiles["colocated"], req, rate,
-                                                         prefill_budget=budget)
-                row["prediction_errors"] = serve_predict.errors(row["predicted"], row)
-            rows.append(row)
+        if profiles is not None:
+            profiles["workers"] = _profile_workers(args, model_dir, llm, cluster, probe)
+        run_rates("disaggregated", drive_disagg, cluster, cluster.clear_vision_caches)
         row_leaks = cluster.check_no_leaks()
     finally:
         cluster.shutdown()
-    for r in rows:
-        r["leaked_blocks"] = sum(row_leaks.values())
+    for row in rows:
+        c, d = row["colocated"], row["disaggregated"]
+        row["ratios"] = {"p99_tpot": ratio(d["tpot_s"]["p99"], c["tpot_s"]["p99"]),
+                         "goodput": ratio(d["goodput_req_s"], c["goodput_req_s"])}
+        if profiles is not None:
+            arrivals = _workload(args, tok, n, row["rate"])
+            req = serve_predict.requests_of(arrivals, prompt_tokens, row["rate"])
+            row["predicted"] = serve_predict.predict(profiles["workers"], profiles["colocated"], req, row["rate"],
+                                                     prefill_budget=budget, prefill_policy=args.prefill_policy)
+            row["prediction_errors"] = serve_predict.errors(row["predicted"], row)
+        row["leaked_blocks"] = sum(row_leaks.values())
+        row["prefill_budget"] = budget
     return rows, profiles
+
+
+def _policy(args: argparse.Namespace, role: str) -> dict:
+    """Engine scheduling policy of a role: the prefill worker takes ``--prefill-policy``; the colocated engine
+    keeps first-come-first-served (measured no better with ``shortest``: its misses are decode steps that wait
+    behind prefills, which the order of the prompts does not change)."""
+    return {"scheduling_policy": args.prefill_policy} if role == "prefill" else {}
 
 
 def _workload(args: argparse.Namespace, tok, n: int, rate: float) -> list[Arrival]:
@@ -229,42 +252,53 @@ def _prompt_tokens(llm, a: Arrival) -> int:
     return len(llm.engine.inputs.process(a.prompt).token_ids)
 
 
-def _profiles(args: argparse.Namespace, model_dir: Path, llm, cluster, tok) -> dict:
-    """Engine profiles of the workers (1 thread) and the colocated engine, each calibrated for its fixed
-    per-request cost by a few requests served one at a time (see :mod:`cluster.bench.serve_predict`)."""
-    import torch
+def _probe(args: argparse.Namespace, tok) -> list[Arrival]:
+    """Short and long prompts served one at a time: calibrate fits a scale and a latency from them."""
+    return [dataclasses.replace(a, at_s=0.0, max_tokens=12) for frac in (0.0, 1.0) for a in
+            make_workload(tok, 4, 1.0, seed=args.seed + 2, image_fraction=frac, output_mean=2, output_max=2,
+                          images=args.images)]
 
+
+def _measure_profile(model_dir: Path, threads: int):
     from cluster.plan_cmd import measure_profile
 
-    threads = torch.get_num_threads()
-    log("measuring engine profiles for the planner check")
     # decode batches as small as this load runs them, at a context like its prompts': an MoE step's cost per sequence
     # falls as more sequences share the experts they touch, and grows with what each one attends to, so a fit over
     # 1-16 sequences of 32 tokens underestimates the steps of 2-5 long sequences seen here
-    shape = {"batches": (1, 2, 4, 8), "contexts": (512, 1024)}
-    out = {"workers": measure_profile(model_dir=model_dir, threads=1, **shape),
-           "colocated": measure_profile(model_dir=model_dir, threads=threads, **shape)}
-    probe = [dataclasses.replace(a, at_s=0.0, max_tokens=12) for frac in (0.0, 1.0) for a in
-             make_workload(tok, 4, 1.0, seed=args.seed + 2, image_fraction=frac, output_mean=2, output_max=2,
-                           images=args.images)]  # short and long prompts: calibrate fits a scale and a latency
-    tokens = [_prompt_tokens(llm, a) for a in probe]
-    # the prefill worker's CPU time is what a request occupies its core with, and the decode worker's beyond its steps
-    # what taking the request in costs it (the idle loop's own rate taken out); the colocated engine has no such split
+    return measure_profile(model_dir=model_dir, threads=threads, batches=(1, 2, 4, 8), contexts=(512, 1024))
+
+
+def _profile_colocated(args: argparse.Namespace, model_dir: Path, llm, probe: list[Arrival]):
+    """The colocated engine's profile (its threads), calibrated by the probe requests served one at a time (see
+    :mod:`cluster.bench.serve_predict`)."""
+    import torch
+
+    log("measuring the colocated engine's profile for the planner check")
+    prof = _measure_profile(model_dir, torch.get_num_threads())
+    drive_colocated(llm, probe[-1:], _NoBar())  # the first prompt of this size pays one-off allocations
+    recs = [drive_colocated(llm, [a], _NoBar())[0] for a in probe]
+    return serve_predict.calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
+                                   [_prompt_tokens(llm, a) for a in probe], [a.images for a in probe])
+
+
+def _profile_workers(args: argparse.Namespace, model_dir: Path, llm, cluster, probe: list[Arrival]):
+    """The workers' profile (one thread), calibrated by the probe requests: the prefill worker's CPU time is what a
+    request occupies its core with, and the decode worker's beyond its steps what taking the request in costs it (the
+    idle loop's own rate taken out)."""
+    log("measuring the workers' profile for the planner check")
+    prof = _measure_profile(model_dir, 1)
     idle = _decode_idle_rate(cluster)
-    for name, drive, target in (("workers", drive_disagg, cluster), ("colocated", drive_colocated, llm)):
-        drive(target, probe[-1:], _NoBar())  # the first prompt of this size pays one-off allocations
-        recs, service, join = [], [], []
-        for a in probe:
-            before, t0 = _worker_cpu_s(cluster) if name == "workers" else None, time.perf_counter()
-            recs.append(drive(target, [a], _NoBar())[0])
-            if before is not None:
-                after = _worker_cpu_s(cluster)
-                service.append(after[0] - before[0])
-                join.append(max(0.0, after[1] - before[1] - idle * (time.perf_counter() - t0)))
-        out[name] = serve_predict.calibrate(out[name], [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
-                                            tokens, [a.images for a in probe], service=service or None,
-                                            join=join or None)
-    return out
+    drive_disagg(cluster, probe[-1:], _NoBar())
+    recs, service, join = [], [], []
+    for a in probe:
+        before, t0 = _worker_cpu_s(cluster), time.perf_counter()
+        recs.append(drive_disagg(cluster, [a], _NoBar())[0])
+        after = _worker_cpu_s(cluster)
+        service.append(after[0] - before[0])
+        join.append(max(0.0, after[1] - before[1] - idle * (time.perf_counter() - t0)))
+    return serve_predict.calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
+                                   [_prompt_tokens(llm, a) for a in probe], [a.images for a in probe],
+                                   service=service, join=join)
 
 
 def _worker_cpu_s(cluster) -> tuple[float, float]:
@@ -348,9 +382,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT target, seconds")
     p.add_argument("--colocated-threads", type=int, default=2, help="torch threads of the colocated engine")
     p.add_argument("--kv-transport", default="gloo", choices=["gloo", "grpc"])
-    p.add_argument("--prefill-batched-tokens", type=int, default=0,
-                   help="the prefill worker's step budget (ClusterSpec.prefill_max_batched_tokens; default 0: "
-                        "the engine's max_num_batched_tokens)")
+    p.add_argument("--prefill-batched-tokens", type=int, default=None,
+                   help="the prefill worker's step budget (ClusterSpec.prefill_max_batched_tokens; default: the "
+                        "workload's longest prompt, so a step holds one long prompt or several short ones)")
+    p.add_argument("--prefill-policy", default="shortest", choices=["fcfs", "shortest"],
+                   help="the prefill worker's scheduling_policy (default shortest: short prompts get steps of their "
+                        "own instead of waiting for the long prompts batched with them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench_out/serve.json", help="where to write the results (plots beside it)")
     p.add_argument("--predict", action=argparse.BooleanOptionalAction, default=True,
@@ -363,7 +400,7 @@ def run(args: argparse.Namespace) -> int:
     n = args.requests or (6 if args.quick else 64)
     args.output_mean = args.output_mean or (4.0 if args.quick else 32.0)
     if (n < 1 or not 0 <= args.image_fraction <= 1 or args.output_mean < 1 or args.colocated_threads < 1
-            or args.images < 0 or args.prefill_batched_tokens < 0):
+            or args.images < 0 or (args.prefill_batched_tokens or 0) < 0):
         print("duet: error: --requests, --output-mean and --colocated-threads must be >= 1, --images and "
               "--prefill-batched-tokens >= 0 and "
               "--image-fraction in [0, 1]", file=sys.stderr)
@@ -402,7 +439,8 @@ def run(args: argparse.Namespace) -> int:
                                   "output_max": args.output_max, "seed": args.seed},
                      "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
                      "colocated_threads": args.colocated_threads, "kv_transport": args.kv_transport,
-                     "prefill_batched_tokens": args.prefill_batched_tokens or None,
+                     "prefill_batched_tokens": rows[0].get("prefill_budget") if rows else None,
+                     "prefill_policy": args.prefill_policy,
                      "rates": rows, "criteria": crit, "plots": pngs,
                      "profiles": {k: v.__dict__ for k, v in (profiles or {}).items()},
                      "timestamp": dt.datetime.now(dt.timezone.utc).isoformat()})

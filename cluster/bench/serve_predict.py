@@ -104,11 +104,11 @@ def _pcts(xs: np.ndarray) -> dict:
 
 
 def predict(workers: Profile, colocated: Profile, req: Requests, rate: float, *,
-            prefill_budget: int = DEFAULT_BATCHED_TOKENS) -> dict:
+            prefill_budget: int = DEFAULT_BATCHED_TOKENS, prefill_policy: str = "fcfs") -> dict:
     """Simulated TTFT / TPOT percentiles of both systems at ``rate`` (``{"disaggregated": ..., "colocated": ...}``,
     each ``{"ttft_s": {p50, p90, p99}, "tpot_s": {...}}``; TPOT over requests with more than one output token)."""
     arrive = req.unit_arrivals / rate
-    ttft = simulate_prefill_pool(workers, req, rate, 1, max_batched_tokens=prefill_budget)
+    ttft = simulate_prefill_pool(workers, req, rate, 1, max_batched_tokens=prefill_budget, policy=prefill_policy)
     first = arrive + ttft
     order = np.argsort(first, kind="stable")
     tpot = np.zeros(len(first))

@@ -95,6 +95,26 @@ def test_prompts_waiting_for_a_prefill_worker_share_its_next_step():
     assert one_at_a_time.tolist() == pytest.approx([0.5, 0.8 - 0.1, 1.0 - 0.2, 5.0 - 0.3])
 
 
+def test_shortest_policy_gives_short_prompts_their_own_step():
+    # 1 ms/token: A (500) runs alone; B (4000), C (200) and D (300) wait for it. Shortest first: C and D share the
+    # next step (B is more than twice their tokens), then B. FCFS: B first (C does not fit its budget), then C and D.
+    req = _requests([0.0, 0.1, 0.2, 0.3], [500, 4000, 200, 300], 2)
+    shortest = simulate_prefill_pool(FLAT, req, 1.0, 1, policy="shortest")
+    assert shortest.tolist() == pytest.approx([0.5, 5.0 - 0.1, 1.0 - 0.2, 1.0 - 0.3])
+    fcfs = simulate_prefill_pool(FLAT, req, 1.0, 1)
+    assert fcfs.tolist() == pytest.approx([0.5, 4.5 - 0.1, 5.0 - 0.2, 5.0 - 0.3])
+    assert shortest.mean() < fcfs.mean()
+    with pytest.raises(ValueError, match="policy"):
+        simulate_prefill_pool(FLAT, req, 1.0, 1, policy="lifo")
+
+
+def test_two_prefill_workers_never_start_a_prompt_before_it_arrives():
+    req = _requests([0.0, 5.0, 5.0, 5.0], 100, 2)
+    ttft = simulate_prefill_pool(FLAT, req, 1.0, 2, max_batched_tokens=100)
+    assert ttft.min() >= 0.1 - 1e-9
+    assert sorted(ttft.tolist()) == pytest.approx([0.1, 0.1, 0.1, 0.2])
+
+
 def test_worked_example_prefill_bound():
     p = plan(FLAT, Workload(prompt_mean=1000, output_mean=50), SLO(ttft_p90_s=2.0, tpot_p90_s=0.05), 8)
     assert (p.prefill, p.decode) == (7, 1)
