@@ -172,9 +172,12 @@ class ClusterSpec:
         budget = self.max_num_batched_tokens
         if role == "prefill" and self.prefill_max_batched_tokens is not None:
             budget = self.prefill_max_batched_tokens
+        extra = dict(self.extra_engine)
+        if role == "prefill":  # a prefill worker never decodes: no staging to reserve
+            extra.pop("decode_mirror_tokens", None)
         return dict(dtype=self.dtype, device="cuda" if self.gpus_per_worker > 0 else "cpu",
                     block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
-                    max_num_batched_tokens=budget, max_model_len=self.max_model_len, **self.extra_engine)
+                    max_num_batched_tokens=budget, max_model_len=self.max_model_len, **extra)
 
     def to_dict(self) -> dict:
         return asdict(self)

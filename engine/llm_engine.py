@@ -58,8 +58,9 @@ class LLMEngine:
                                    policy=config.scheduling_policy, max_wait_s=config.scheduling_max_wait_s)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   max_model_len=max_len, max_num_seqs=config.max_num_seqs, dtype=self.dtype,
-                                  device=self.device,
-                                  vision_cache_size=config.vision_cache_size)
+                                  device=self.device, vision_cache_size=config.vision_cache_size,
+                                  mirror_tokens=min(config.decode_mirror_tokens, max_len)
+                                  if config.decode_mirror_tokens else None)
         self.inputs = InputProcessor(cfg, self.tokenizer, self.image_processor, max_len)
         self.requests: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()

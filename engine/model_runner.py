@@ -30,13 +30,15 @@ from engine.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: LlavaModel, *, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                 dtype: torch.dtype, device: torch.device, vision_cache_size: int = 64) -> None:
+                 dtype: torch.dtype, device: torch.device, vision_cache_size: int = 64,
+                 mirror_tokens: int | None = None) -> None:
         t = model.cfg.text
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
         shape = (num_blocks, block_size, t.num_kv_heads, t.head_dim)
         self.pool = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                      for _ in range(t.num_layers)]
-        self.mirror = DecodeKVMirror(t.num_layers, max_num_seqs, t.num_kv_heads, t.head_dim, dtype, device)
+        reserve = {} if mirror_tokens is None else {"initial_capacity": mirror_tokens, "initial_slots": max_num_seqs}
+        self.mirror = DecodeKVMirror(t.num_layers, max_num_seqs, t.num_kv_heads, t.head_dim, dtype, device, **reserve)
         self.rope = RotaryEmbedding(t.head_dim, t.rope_theta, max_model_len, device)
         self.vision_cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.vision_cache_size = vision_cache_size

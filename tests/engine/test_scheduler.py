@@ -175,6 +175,26 @@ def test_chunked_prefill_matches_unchunked(make_llm, budget):
     assert_no_leaked_blocks(llm)
 
 
+def test_shortest_policy_engine_gives_the_same_tokens(make_llm):
+    prompts = MIXED + EDGES
+    full = _tokens(make_llm().generate(prompts, greedy(10)))
+    llm = make_llm(scheduling_policy="shortest", max_num_batched_tokens=16)
+    assert _tokens(llm.generate(prompts, greedy(10))) == full
+
+
+def test_reserved_decode_mirror_never_grows_and_gives_the_same_tokens(make_llm):
+    prompts = MIXED + EDGES
+    full = _tokens(make_llm().generate(prompts, greedy(10)))
+    llm = make_llm(decode_mirror_tokens=64, max_num_seqs=8)
+    mirror = llm.engine.runner.mirror
+    k0 = mirror.k[0]
+    assert tuple(k0.shape[:3]) == (8, k0.shape[1], 64)
+    assert _tokens(llm.generate(prompts, greedy(10))) == full
+    assert mirror.k[0] is k0  # reserved at start: no growth (and no copy) while decoding
+    with pytest.raises(ValueError, match="decode_mirror_tokens"):
+        EngineConfig(decode_mirror_tokens=0)
+
+
 def test_prefix_cache_hit_on_identical_prompt(make_llm):
     llm = make_llm()
     prompt = make_request(19, seed=4)  # 20 tokens: 4 full blocks may be reused, the last token always runs
