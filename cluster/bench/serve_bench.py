@@ -38,20 +38,25 @@ predicted against measured TTFT / TPOT p50 and p90 and the check "within 25%" ar
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
 import datetime as dt
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from cluster.bench import serve_predict
-from cluster.bench.report import fmt, format_table, log, ms, write_json
-from cluster.bench.serve_workload import Arrival, make_workload, summarise
+from cluster.bench.report import fmt, format_table, ms, write_json
+from cluster.bench.serve_workload import (
+    Arrival,
+    NoBar,
+    drive_colocated,
+    drive_disagg,
+    make_workload,
+    prompt_tokens,
+    summarise,
+)
 
 RATES = (0.5, 1.0, 2.0, 4.0)
 QUICK_RATES = (4.0,)
@@ -102,58 +107,6 @@ def serve_table(rows: list[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ measurement
-def _params(a: Arrival):
-    from engine import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
-
-
-def drive_colocated(llm, arrivals: list[Arrival], bar) -> list[dict]:
-    """Open loop over one engine: add what has arrived, run one step, repeat (sleep when idle)."""
-    engine, recs = llm.engine, [None] * len(arrivals)
-    t0, i = time.perf_counter(), 0
-    while i < len(arrivals) or engine.has_unfinished_requests():
-        now = time.perf_counter() - t0
-        while i < len(arrivals) and arrivals[i].at_s <= now:
-            engine.add_request(f"c{i}", arrivals[i].prompt, _params(arrivals[i]), arrival_time=t0 + arrivals[i].at_s)
-            i += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, arrivals[i].at_s - now))
-            continue
-        for out in engine.step():
-            if out.finished:
-                k, m = int(out.request_id[1:]), out.metrics
-                recs[k] = {"kind": arrivals[k].kind, "ttft_s": m.ttft_s, "tpot_s": out.tpot_s(),
-                           "tokens": len(out.outputs[0].token_ids), "done_s": m.finished_time - t0, "error": None}
-                bar.update(1)
-    return recs
-
-
-async def _one_disagg(cluster, k: int, a: Arrival, t0: float, bar) -> dict:
-    await asyncio.sleep(max(0.0, t0 + a.at_s - time.perf_counter()))
-    start, first, last, n = t0 + a.at_s, None, None, 0
-    try:
-        prepared = await asyncio.to_thread(cluster.prepare, a.prompt)
-        async for d in cluster.stream(prepared, _params(a), request_id=f"d{k}"):
-            if d.get("token_ids"):
-                last = time.perf_counter()
-                first, n = first or last, n + len(d["token_ids"])
-    except Exception as e:  # noqa: BLE001 -- a failed request is recorded, not fatal to the benchmark
-        return {"kind": a.kind, "ttft_s": None, "tpot_s": None, "tokens": n, "done_s": None, "error": repr(e)}
-    finally:
-        bar.update(1)
-    return {"kind": a.kind, "ttft_s": first - start, "tpot_s": (last - first) / (n - 1) if n > 1 else None,
-            "tokens": n, "done_s": last - t0, "error": None}
-
-
-def drive_disagg(cluster, arrivals: list[Arrival], bar) -> list[dict]:
-    """Open loop over the cluster: one asyncio task per request, started at its arrival time."""
-    async def go() -> list[dict]:
-        t0 = time.perf_counter()
-        return list(await asyncio.gather(*(_one_disagg(cluster, k, a, t0, bar) for k, a in enumerate(arrivals))))
-    return asyncio.run(go())
-
-
 def _setup(quick: bool) -> dict:
     return {"dtype": "float32", "max_num_seqs": 32, "num_kv_blocks": 256 if quick else 2048, "block_size": 16}
 
@@ -187,13 +140,14 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
     from cluster.spec import ClusterSpec
     from engine import LLM
 
-    llm = LLM(model_dir, enable_prefix_caching=False, **_setup(args.quick), **_reserve(args.quick),
-              **_policy(args, "colocated"))
+    # the colocated engine keeps fcfs: ``shortest`` measured no better there (its misses are decode steps waiting
+    # behind prefills, which the order of the prompts does not change)
+    llm = LLM(model_dir, enable_prefix_caching=False, **_setup(args.quick), **_reserve(args.quick))
     tok = llm.get_tokenizer()
     # the same prompts at every rate (only the times scale): count their tokens once
-    prompt_tokens = [_prompt_tokens(llm, a) for a in _workload(args, tok, n, 1.0)]
+    prompt_lens = [prompt_tokens(llm, a) for a in _workload(args, tok, n, 1.0)]
     warm = make_workload(tok, 2, 100.0, seed=args.seed + 1, image_fraction=0.5, output_mean=2, output_max=2)
-    probe = _probe(args, tok)
+    probe = serve_predict.probe_requests(tok, args.seed, args.images)
     rows = [{"rate": rate} for rate in rates]
     profiles = None
 
@@ -202,28 +156,28 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
             arrivals = _workload(args, tok, n, row["rate"])
             row["image_requests"] = sum(a.kind == "image" for a in arrivals)
             clear()  # every rate replays the same images: each system starts it without their encodings
-            cpu0 = _prefill_cpu_s(target) if name == "disaggregated" else None
+            cpu0 = serve_predict.prefill_cpu_s(target) if name == "disaggregated" else None
             with tqdm(total=n, desc=f"{name} @ {row['rate']:g} req/s", leave=False, file=sys.stderr) as bar:
                 recs = drive(target, arrivals, bar)
             row[name] = summarise(recs, ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo) | {"records": recs}
             if cpu0 is not None:  # the prefill core's time per request under this load (the planner's service)
-                row[name]["prefill_cpu_s_per_request"] = (_prefill_cpu_s(target) - cpu0) / n
+                row[name]["prefill_cpu_s_per_request"] = (serve_predict.prefill_cpu_s(target) - cpu0) / n
 
-    drive_colocated(llm, warm, _NoBar())
+    drive_colocated(llm, warm, NoBar())
     if args.predict:
-        profiles = {"colocated": _profile_colocated(args, model_dir, llm, probe)}
+        profiles = {"colocated": serve_predict.profile_colocated(model_dir, llm, probe)}
     run_rates("colocated", drive_colocated, llm, llm.engine.clear_vision_cache)
     spec = ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport=args.kv_transport,
                        cpus_per_worker=1, pin_cpus=args.pin,
-                       extra_engine={"enable_prefix_caching": False, **_reserve(args.quick),
-                                     **_policy(args, "prefill")},
+                       extra_engine={"enable_prefix_caching": False, "scheduling_policy": args.prefill_policy,
+                                     **_reserve(args.quick)},
                        prefill_max_batched_tokens=args.prefill_batched_tokens or None, **_setup(args.quick))
     budget = spec.engine_config("prefill")["max_num_batched_tokens"]
     cluster = DisaggCluster(spec)
     try:
-        drive_disagg(cluster, warm, _NoBar())
+        drive_disagg(cluster, warm, NoBar())
         if profiles is not None:
-            profiles["workers"] = _profile_workers(args, model_dir, llm, cluster, probe)
+            profiles["workers"] = serve_predict.profile_workers(model_dir, llm, cluster, probe)
         run_rates("disaggregated", drive_disagg, cluster, cluster.clear_vision_caches)
         row_leaks = cluster.check_no_leaks()
     finally:
@@ -234,7 +188,7 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
                          "goodput": ratio(d["goodput_req_s"], c["goodput_req_s"])}
         if profiles is not None:
             arrivals = _workload(args, tok, n, row["rate"])
-            req = serve_predict.requests_of(arrivals, prompt_tokens, row["rate"])
+            req = serve_predict.requests_of(arrivals, prompt_lens, row["rate"])
             row["predicted"] = serve_predict.predict(profiles["workers"], profiles["colocated"], req, row["rate"],
                                                      prefill_budget=budget, prefill_policy=args.prefill_policy)
             row["prediction_errors"] = serve_predict.errors(row["predicted"], row)
@@ -243,106 +197,9 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
     return rows, profiles
 
 
-def _policy(args: argparse.Namespace, role: str) -> dict:
-    """Engine scheduling policy of a role: the cluster's workers take ``--prefill-policy`` (it orders prompts, so it
-    only acts on the prefill worker); the colocated engine keeps first-come-first-served (measured no better with
-    ``shortest``: its misses are decode steps that wait behind prefills, which the order of the prompts does not
-    change)."""
-    return {"scheduling_policy": args.prefill_policy} if role == "prefill" else {}
-
-
 def _workload(args: argparse.Namespace, tok, n: int, rate: float) -> list[Arrival]:
     return make_workload(tok, n, rate, seed=args.seed, image_fraction=args.image_fraction,
                          output_mean=args.output_mean, output_max=args.output_max, images=args.images)
-
-
-def _prompt_tokens(llm, a: Arrival) -> int:
-    return len(llm.engine.inputs.process(a.prompt).token_ids)
-
-
-def _probe(args: argparse.Namespace, tok) -> list[Arrival]:
-    """Short and long prompts served one at a time: calibrate fits a scale and a latency from them."""
-    return [dataclasses.replace(a, at_s=0.0, max_tokens=12) for frac in (0.0, 1.0) for a in
-            make_workload(tok, 4, 1.0, seed=args.seed + 2, image_fraction=frac, output_mean=2, output_max=2,
-                          images=args.images)]
-
-
-def _measure_profile(model_dir: Path, threads: int):
-    from cluster.plan_cmd import measure_profile
-
-    # decode batches as small as this load runs them, at a context like its prompts': an MoE step's cost per sequence
-    # falls as more sequences share the experts they touch, and grows with what each one attends to, so a fit over
-    # 1-16 sequences of 32 tokens underestimates the steps of 2-5 long sequences seen here
-    return measure_profile(model_dir=model_dir, threads=threads, batches=(1, 2, 4, 8), contexts=(512, 1024))
-
-
-def _profile_colocated(args: argparse.Namespace, model_dir: Path, llm, probe: list[Arrival]):
-    """The colocated engine's profile (its threads), calibrated by the probe requests served one at a time (see
-    :mod:`cluster.bench.serve_predict`)."""
-    import torch
-
-    log("measuring the colocated engine's profile for the planner check")
-    prof = _measure_profile(model_dir, torch.get_num_threads())
-    drive_colocated(llm, probe[-1:], _NoBar())  # the first prompt of this size pays one-off allocations
-    recs = [drive_colocated(llm, [a], _NoBar())[0] for a in probe]
-    return serve_predict.calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
-                                   [_prompt_tokens(llm, a) for a in probe], [a.images for a in probe])
-
-
-def _profile_workers(args: argparse.Namespace, model_dir: Path, llm, cluster, probe: list[Arrival]):
-    """The workers' profile (one thread), calibrated by the probe requests: the prefill worker's CPU time is what a
-    request occupies its core with, and the decode worker's beyond its steps what taking the request in costs it (the
-    idle loop's own rate taken out)."""
-    log("measuring the workers' profile for the planner check")
-    prof = _measure_profile(model_dir, 1)
-    idle = _decode_idle_rate(cluster)
-    drive_disagg(cluster, probe[-1:], _NoBar())
-    recs, service, join = [], [], []
-    for a in probe:
-        before, t0 = _worker_cpu_s(cluster), time.perf_counter()
-        recs.append(drive_disagg(cluster, [a], _NoBar())[0])
-        after = _worker_cpu_s(cluster)
-        service.append(after[0] - before[0])
-        join.append(max(0.0, after[1] - before[1] - idle * (time.perf_counter() - t0)))
-    return serve_predict.calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
-                                   [_prompt_tokens(llm, a) for a in probe], [a.images for a in probe],
-                                   service=service, join=join)
-
-
-def _worker_cpu_s(cluster) -> tuple[float, float]:
-    """CPU seconds of the (one) prefill worker's process, every thread (prefilling, taking requests in and streaming
-    KV out all occupy its core; its compute loop alone undercounts a request by ~15%), and of the decode worker's
-    beyond its decode steps (taking requests in: RPCs, receiving KV, committing; and its polls)."""
-    return _prefill_cpu_s(cluster), _decode_overhead_s(cluster)
-
-
-def _decode_overhead_s(cluster) -> float:
-    st = _stats(cluster.decodes[0])
-    return float(st["cpu_s"] - st["step_s"])
-
-
-def _decode_idle_rate(cluster, seconds: float = 1.0) -> float:
-    """CPU seconds per second the idle decode worker spends (its loop's polls), to take out of a request's cost."""
-    before = _decode_overhead_s(cluster)
-    time.sleep(seconds)
-    return max(0.0, (_decode_overhead_s(cluster) - before) / seconds)
-
-
-def _prefill_cpu_s(cluster) -> float:
-    return float(_stats(cluster.prefills[0])["cpu_s"])
-
-
-def _stats(worker) -> dict:
-    import ray
-
-    from cluster import messages
-
-    return messages.unpack(ray.get(worker.actor.stats.remote(), timeout=30))
-
-
-class _NoBar:
-    def update(self, _n: int) -> None:
-        pass
 
 
 def plots(rows: list[dict], out_dir: Path) -> list[str]:

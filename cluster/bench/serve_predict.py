@@ -13,10 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import numpy as np
 
-from cluster.bench.report import fmt, format_table, ms
+from cluster.bench.report import fmt, format_table, log, ms
+from cluster.bench.serve_workload import (
+    Arrival,
+    NoBar,
+    drive_colocated,
+    drive_disagg,
+    make_workload,
+    prompt_tokens,
+)
 from cluster.planner import (
     DEFAULT_BATCHED_TOKENS,
     Profile,
@@ -162,3 +171,83 @@ def table(rows: list[dict]) -> str:
             worst = max_error(r["prediction_errors"], name)
             out.append([f"{r['rate']:g}/s", name, *cells, fmt(None if worst is None else 100 * worst)])
     return format_table(header, out)
+
+
+# ------------------------------------------------------------------ profiles measured for a run, calibrated
+def probe_requests(tok, seed: int, images: int) -> list[Arrival]:
+    """Short and long prompts served one at a time: calibrate fits a scale and a latency from them."""
+    return [dataclasses.replace(a, at_s=0.0, max_tokens=12) for frac in (0.0, 1.0) for a in
+            make_workload(tok, 4, 1.0, seed=seed + 2, image_fraction=frac, output_mean=2, output_max=2,
+                          images=images)]
+
+
+def _measure_profile(model_dir: Path, threads: int):
+    from cluster.plan_cmd import measure_profile
+
+    # decode batches as small as this load runs them, at a context like its prompts': an MoE step's cost per sequence
+    # falls as more sequences share the experts they touch, and grows with what each one attends to, so a fit over
+    # 1-16 sequences of 32 tokens underestimates the steps of 2-5 long sequences seen here
+    return measure_profile(model_dir=model_dir, threads=threads, batches=(1, 2, 4, 8), contexts=(512, 1024))
+
+
+def profile_colocated(model_dir: Path, llm, probe: list[Arrival]):
+    """The colocated engine's profile (its threads), calibrated by the probe requests served one at a time."""
+    import torch
+
+    log("measuring the colocated engine's profile for the planner check")
+    prof = _measure_profile(model_dir, torch.get_num_threads())
+    drive_colocated(llm, probe[-1:], NoBar())  # the first prompt of this size pays one-off allocations
+    recs = [drive_colocated(llm, [a], NoBar())[0] for a in probe]
+    return calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
+                                   [prompt_tokens(llm, a) for a in probe], [a.images for a in probe])
+
+
+def profile_workers(model_dir: Path, llm, cluster, probe: list[Arrival]):
+    """The workers' profile (one thread), calibrated by the probe requests: the prefill worker's CPU time is what a
+    request occupies its core with, and the decode worker's beyond its steps what taking the request in costs it (the
+    idle loop's own rate taken out)."""
+    log("measuring the workers' profile for the planner check")
+    prof = _measure_profile(model_dir, 1)
+    idle = _decode_idle_rate(cluster)
+    drive_disagg(cluster, probe[-1:], NoBar())
+    recs, service, join = [], [], []
+    for a in probe:
+        before, t0 = _worker_cpu_s(cluster), time.perf_counter()
+        recs.append(drive_disagg(cluster, [a], NoBar())[0])
+        after = _worker_cpu_s(cluster)
+        service.append(after[0] - before[0])
+        join.append(max(0.0, after[1] - before[1] - idle * (time.perf_counter() - t0)))
+    return calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
+                                   [prompt_tokens(llm, a) for a in probe], [a.images for a in probe],
+                                   service=service, join=join)
+
+
+def _worker_cpu_s(cluster) -> tuple[float, float]:
+    """CPU seconds of the (one) prefill worker's process, every thread (prefilling, taking requests in and streaming
+    KV out all occupy its core; its compute loop alone undercounts a request by ~15%), and of the decode worker's
+    beyond its decode steps (taking requests in: RPCs, receiving KV, committing; and its polls)."""
+    return prefill_cpu_s(cluster), _decode_overhead_s(cluster)
+
+
+def _decode_overhead_s(cluster) -> float:
+    st = _stats(cluster.decodes[0])
+    return float(st["cpu_s"] - st["step_s"])
+
+
+def _decode_idle_rate(cluster, seconds: float = 1.0) -> float:
+    """CPU seconds per second the idle decode worker spends (its loop's polls), to take out of a request's cost."""
+    before = _decode_overhead_s(cluster)
+    time.sleep(seconds)
+    return max(0.0, (_decode_overhead_s(cluster) - before) / seconds)
+
+
+def prefill_cpu_s(cluster) -> float:
+    return float(_stats(cluster.prefills[0])["cpu_s"])
+
+
+def _stats(worker) -> dict:
+    import ray
+
+    from cluster import messages
+
+    return messages.unpack(ray.get(worker.actor.stats.remote(), timeout=30))

@@ -1,14 +1,18 @@
-"""The open-loop workload of ``duet bench serve`` and its per-system summary (pure, seeded).
+"""The open-loop workload of ``duet bench serve``, its drivers and its per-system summary.
 
-:func:`make_workload`: Poisson arrivals at a rate; a request is image-heavy with a given probability (a demo-task
-question with its images) or else text-only (demo-corpus sentences); output lengths geometric, capped; the same seed
-gives the same prompts, lengths and gaps at every rate. :func:`summarise`: TTFT / TPOT percentiles, throughput,
-goodput and SLO attainment of one system's records at one rate.
+:func:`make_workload` (pure, seeded): Poisson arrivals at a rate; a request is image-heavy with a given probability
+(a demo-task question with its images) or else text-only (demo-corpus sentences); output lengths geometric, capped;
+the same seed gives the same prompts, lengths and gaps at every rate. :func:`drive_colocated` /
+:func:`drive_disagg`: replay arrivals open-loop on an engine or a cluster and record each request.
+:func:`summarise`: TTFT / TPOT percentiles, throughput, goodput and SLO attainment of one system's records at one
+rate.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,3 +85,65 @@ def summarise(records: list[dict], *, ttft_slo: float, tpot_slo: float) -> dict:
             "tpot_s": percentiles([r["tpot_s"] for r in done if r["tpot_s"] is not None]),
             "throughput_req_s": per_s(len(done)), "throughput_tok_s": per_s(sum(r["tokens"] for r in done)),
             "goodput_req_s": per_s(len(good)), "slo_attainment": len(good) / len(records) if records else None}
+
+
+def sampling_params(a: Arrival):
+    from engine import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+
+
+def drive_colocated(llm, arrivals: list[Arrival], bar) -> list[dict]:
+    """Open loop over one engine: add what has arrived, run one step, repeat (sleep when idle)."""
+    engine, recs = llm.engine, [None] * len(arrivals)
+    t0, i = time.perf_counter(), 0
+    while i < len(arrivals) or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while i < len(arrivals) and arrivals[i].at_s <= now:
+            a = arrivals[i]
+            engine.add_request(f"c{i}", a.prompt, sampling_params(a), arrival_time=t0 + a.at_s)
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, arrivals[i].at_s - now))
+            continue
+        for out in engine.step():
+            if out.finished:
+                k, m = int(out.request_id[1:]), out.metrics
+                recs[k] = {"kind": arrivals[k].kind, "ttft_s": m.ttft_s, "tpot_s": out.tpot_s(),
+                           "tokens": len(out.outputs[0].token_ids), "done_s": m.finished_time - t0, "error": None}
+                bar.update(1)
+    return recs
+
+
+async def _one_disagg(cluster, k: int, a: Arrival, t0: float, bar) -> dict:
+    await asyncio.sleep(max(0.0, t0 + a.at_s - time.perf_counter()))
+    start, first, last, n = t0 + a.at_s, None, None, 0
+    try:
+        prepared = await asyncio.to_thread(cluster.prepare, a.prompt)
+        async for d in cluster.stream(prepared, sampling_params(a), request_id=f"d{k}"):
+            if d.get("token_ids"):
+                last = time.perf_counter()
+                first, n = first or last, n + len(d["token_ids"])
+    except Exception as e:  # noqa: BLE001 -- a failed request is recorded, not fatal to the benchmark
+        return {"kind": a.kind, "ttft_s": None, "tpot_s": None, "tokens": n, "done_s": None, "error": repr(e)}
+    finally:
+        bar.update(1)
+    return {"kind": a.kind, "ttft_s": first - start, "tpot_s": (last - first) / (n - 1) if n > 1 else None,
+            "tokens": n, "done_s": last - t0, "error": None}
+
+
+def drive_disagg(cluster, arrivals: list[Arrival], bar) -> list[dict]:
+    """Open loop over the cluster: one asyncio task per request, started at its arrival time."""
+    async def go() -> list[dict]:
+        t0 = time.perf_counter()
+        return list(await asyncio.gather(*(_one_disagg(cluster, k, a, t0, bar) for k, a in enumerate(arrivals))))
+    return asyncio.run(go())
+
+
+def prompt_tokens(llm, a: Arrival) -> int:
+    return len(llm.engine.inputs.process(a.prompt).token_ids)
+
+
+class NoBar:
+    def update(self, _n: int) -> None:
+        pass
