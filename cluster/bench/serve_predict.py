@@ -36,6 +36,7 @@ from cluster.planner import (
 )
 
 TOLERANCE = 0.25  # the issue's bound on |predicted / measured - 1|
+BURST_TOKENS = 32  # output tokens of each probe when they are sent together
 CHECKED = ("ttft_s", "tpot_s")
 QUANTILES = ("p50", "p90")
 
@@ -48,7 +49,8 @@ def requests_of(arrivals, prompt_tokens: list[int], rate: float) -> Requests:
 
 
 def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prompt_tokens: list[int],
-              images: list[int], service: list[float] | None = None, join: list[float] | None = None) -> Profile:
+              images: list[int], service: list[float] | None = None, join: list[float] | None = None,
+              outputs: list[int] | None = None) -> Profile:
     """``prof`` fitted to its serving path, from requests served one at a time (a mix of short and long prompts).
 
     The path's prefill is slower than the bare engine's (images decoded on the worker, the KV streamed out from the
@@ -62,7 +64,9 @@ def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prom
     each) give the path's decode step: its cost per context token (Theil-Sen against the prompt length) and a fixed
     per-step correction (negative when the profile's batch fit overshoots at one sequence). ``join``: the decode
     worker's time per request beyond its steps (its process's CPU seconds), fitted as ``a + b x prompt tokens``
-    (``decode_join_base_s``, ``decode_join_per_token_s``): under load it delays the steps of the running batch."""
+    (``decode_join_base_s``, ``decode_join_per_token_s``): under load it delays the steps of the running batch; with
+    ``outputs`` (each probe's tokens) its share of a probe's TPOT is taken out before the step is fitted, since the
+    simulated worker charges it again."""
     prompt = np.array(prompt_tokens)
     engine = prof.prefill_s(prompt, np.array(images))
     ttft = np.array(ttfts)
@@ -75,6 +79,8 @@ def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prom
     rest = ttft - scale * engine - fixed  # latency that does not occupy the worker; the KV's tail grows with the prompt
     per_token = max(0.0, _theil_sen(prompt.astype(float), rest) or 0.0) if service is not None else 0.0
     latency = max(0.0, float(np.median(rest - per_token * prompt)))
+    if join is not None and outputs is not None:
+        tpots = [None if t is None else t - j / max(1, n - 1) for t, j, n in zip(tpots, join, outputs, strict=True)]
     measured = [(p, t) for p, t in zip(prompt_tokens, tpots, strict=True) if t is not None]
     per_ctx = prof.decode_per_ctx_token_s
     if len({p for p, _ in measured}) > 1:  # a one-sequence step on the path, against its context
@@ -99,6 +105,38 @@ def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prom
                f"{per_step * 1e3:+.2f} ms per decode step "
                f"+{per_ctx * 1e6:.2f} us per context token, decode intake {join_base * 1e3:.1f} ms "
                f"+{join_per_token * 1e6:.1f} us per prompt token, measured {time.strftime('%Y-%m-%d')}")
+
+
+def fit_decode_batch(prof: Profile, first_token: list[float], prompt_tokens: list[int], outputs: list[int],
+                     tpots: list[float]) -> Profile:
+    """``prof`` with ``decode_per_seq_s`` fitted so that simulating these requests -- several sequences decoding
+    together on one worker, first tokens at ``first_token`` seconds -- gives their measured median TPOT.
+
+    The one-at-a-time probes of :func:`calibrate` fix the one-sequence step on the serving path; this fixes how it
+    grows with the batch (the engine's per-sequence slope, measured in another process, is off by as much as ~30%
+    on this shared machine). Bisection: the simulated TPOT grows with the per-sequence cost."""
+    order = np.argsort(first_token, kind="stable")
+    first = np.asarray(first_token, float)[order]
+    prompt, out = np.asarray(prompt_tokens)[order], np.asarray(outputs)[order]
+    want = float(np.median(tpots))
+
+    def simulated(per_seq: float) -> float:
+        p = dataclasses.replace(prof, decode_per_seq_s=per_seq)
+        return float(np.median(simulate_decode_worker(p, first, prompt, out)[out > 1]))
+
+    lo, hi = 0.0, max(4 * prof.decode_per_seq_s, 0.01)
+    if simulated(lo) >= want:
+        per_seq = lo
+    elif simulated(hi) <= want:
+        per_seq = hi
+    else:
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if simulated(mid) < want else (lo, mid)
+        per_seq = (lo + hi) / 2
+    return dataclasses.replace(prof, decode_per_seq_s=per_seq,
+                               source=f"{prof.source}; decode {per_seq * 1e3:.2f} ms per sequence (fitted to "
+                                      f"{len(tpots)} sequences decoding together)")
 
 
 def _theil_sen(x: np.ndarray, y: np.ndarray) -> float | None:
@@ -199,7 +237,7 @@ def profile_colocated(model_dir: Path, llm, probe: list[Arrival]):
     drive_colocated(llm, probe[-1:], NoBar())  # the first prompt of this size pays one-off allocations
     recs = [drive_colocated(llm, [a], NoBar())[0] for a in probe]
     return calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
-                                   [prompt_tokens(llm, a) for a in probe], [a.images for a in probe])
+                     [prompt_tokens(llm, a) for a in probe], [a.images for a in probe])
 
 
 def profile_workers(model_dir: Path, llm, cluster, probe: list[Arrival]):
@@ -217,9 +255,14 @@ def profile_workers(model_dir: Path, llm, cluster, probe: list[Arrival]):
         after = _worker_cpu_s(cluster)
         service.append(after[0] - before[0])
         join.append(max(0.0, after[1] - before[1] - idle * (time.perf_counter() - t0)))
-    return calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
-                                   [prompt_tokens(llm, a) for a in probe], [a.images for a in probe],
-                                   service=service, join=join)
+    prof = calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
+                     [prompt_tokens(llm, a) for a in probe], [a.images for a in probe], service=service, join=join,
+                     outputs=[r["tokens"] for r in recs])
+    # then the probes together, as a burst: how the decode step grows with the batch on this worker
+    burst = [dataclasses.replace(a, max_tokens=BURST_TOKENS) for a in probe]
+    recs = drive_disagg(cluster, burst, NoBar())
+    return fit_decode_batch(prof, [r["ttft_s"] for r in recs], [prompt_tokens(llm, a) for a in burst],
+                            [r["tokens"] for r in recs], [r["tpot_s"] for r in recs if r["tpot_s"] is not None])
 
 
 def _worker_cpu_s(cluster) -> tuple[float, float]:

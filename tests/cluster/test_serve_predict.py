@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from cluster.bench.serve_predict import calibrate, errors, predict, requests_of, within
+from cluster.bench.serve_predict import calibrate, errors, fit_decode_batch, predict, requests_of, within
 from cluster.bench.serve_workload import Arrival
-from cluster.planner import Profile
+from cluster.planner import Profile, simulate_decode_worker
 
 
 def _arrivals(times, outs, images=()):
@@ -59,6 +61,12 @@ def test_calibration_fits_the_path_s_prefill_scale_and_latency():
     assert joined.decode_join_base_s == pytest.approx(0.004) and joined.decode_join_per_token_s == pytest.approx(1e-5)
     n = np.array(tokens)
     assert occ.prefill_s(n, np.zeros(5)) + occ.exposed_transfer_s(n) == pytest.approx(ttfts)
+    # the intake's share of each probe's TPOT (11 intervals of 12 tokens) is taken out of the fitted step: the
+    # simulated worker charges the intake again
+    intake = [0.004 + 1e-5 * n for n in tokens]
+    with_intake = [None if t is None else t + j / 11 for t, j in zip(tpots, intake, strict=True)]
+    shared = calibrate(prof, ttfts, with_intake, tokens, [0] * 5, join=intake, outputs=[12] * 5)
+    assert shared.decode_per_ctx_token_s == pytest.approx(2e-6) and shared.decode_base_s == pytest.approx(0.009)
 
 
 def test_prediction_far_apart_is_service_time_and_colocated_tpot_grows_with_prefill_interference():
@@ -87,3 +95,19 @@ def test_errors_and_tolerance():
     assert within(e) is True and within(e, "colocated") is False
     assert within(e, tol=0.2) is False and within({}, "disaggregated") is None
     assert np.isfinite(e["colocated.ttft_s.p50"])
+
+
+def test_batch_fit_recovers_the_per_sequence_cost_of_a_burst():
+    # eight sequences (two prompt sizes) joining within 30 ms: their TPOT, simulated with 3 ms per sequence, is what
+    # the fit must explain starting from the engine's 1 ms
+    true = Profile(decode_base_s=0.005, decode_per_seq_s=0.003, decode_per_ctx_token_s=1e-6, decode_join_base_s=0.002)
+    first = np.linspace(0.0, 0.03, 8)
+    prompt, out = np.array([30, 1000] * 4), np.full(8, 32)
+    measured = simulate_decode_worker(true, first, prompt, out)
+    fitted = fit_decode_batch(dataclasses.replace(true, decode_per_seq_s=0.001), first.tolist(), prompt.tolist(),
+                              out.tolist(), measured.tolist())
+    assert fitted.decode_per_seq_s == pytest.approx(0.003, rel=0.02)
+    assert fitted.decode_base_s == true.decode_base_s and "8 sequences decoding together" in fitted.source
+    # a burst faster than the one-sequence step allows: no negative cost
+    fast = fit_decode_batch(true, first.tolist(), prompt.tolist(), out.tolist(), [0.001] * 8)
+    assert fast.decode_per_seq_s == 0.0
