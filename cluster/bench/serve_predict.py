@@ -36,7 +36,6 @@ from cluster.planner import (
 )
 
 TOLERANCE = 0.25  # the issue's bound on |predicted / measured - 1|
-BURST_TOKENS = 32  # output tokens of each probe when they are sent together
 CHECKED = ("ttft_s", "tpot_s")
 QUANTILES = ("p50", "p90")
 
@@ -105,38 +104,6 @@ def calibrate(prof: Profile, ttfts: list[float], tpots: list[float | None], prom
                f"{per_step * 1e3:+.2f} ms per decode step "
                f"+{per_ctx * 1e6:.2f} us per context token, decode intake {join_base * 1e3:.1f} ms "
                f"+{join_per_token * 1e6:.1f} us per prompt token, measured {time.strftime('%Y-%m-%d')}")
-
-
-def fit_decode_batch(prof: Profile, first_token: list[float], prompt_tokens: list[int], outputs: list[int],
-                     tpots: list[float]) -> Profile:
-    """``prof`` with ``decode_per_seq_s`` fitted so that simulating these requests -- several sequences decoding
-    together on one worker, first tokens at ``first_token`` seconds -- gives their measured median TPOT.
-
-    The one-at-a-time probes of :func:`calibrate` fix the one-sequence step on the serving path; this fixes how it
-    grows with the batch (the engine's per-sequence slope, measured in another process, is off by as much as ~30%
-    on this shared machine). Bisection: the simulated TPOT grows with the per-sequence cost."""
-    order = np.argsort(first_token, kind="stable")
-    first = np.asarray(first_token, float)[order]
-    prompt, out = np.asarray(prompt_tokens)[order], np.asarray(outputs)[order]
-    want = float(np.median(tpots))
-
-    def simulated(per_seq: float) -> float:
-        p = dataclasses.replace(prof, decode_per_seq_s=per_seq)
-        return float(np.median(simulate_decode_worker(p, first, prompt, out)[out > 1]))
-
-    lo, hi = 0.0, max(4 * prof.decode_per_seq_s, 0.01)
-    if simulated(lo) >= want:
-        per_seq = lo
-    elif simulated(hi) <= want:
-        per_seq = hi
-    else:
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if simulated(mid) < want else (lo, mid)
-        per_seq = (lo + hi) / 2
-    return dataclasses.replace(prof, decode_per_seq_s=per_seq,
-                               source=f"{prof.source}; decode {per_seq * 1e3:.2f} ms per sequence (fitted to "
-                                      f"{len(tpots)} sequences decoding together)")
 
 
 def _theil_sen(x: np.ndarray, y: np.ndarray) -> float | None:
@@ -255,14 +222,9 @@ def profile_workers(model_dir: Path, llm, cluster, probe: list[Arrival]):
         after = _worker_cpu_s(cluster)
         service.append(after[0] - before[0])
         join.append(max(0.0, after[1] - before[1] - idle * (time.perf_counter() - t0)))
-    prof = calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
+    return calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
                      [prompt_tokens(llm, a) for a in probe], [a.images for a in probe], service=service, join=join,
                      outputs=[r["tokens"] for r in recs])
-    # then the probes together, as a burst: how the decode step grows with the batch on this worker
-    burst = [dataclasses.replace(a, max_tokens=BURST_TOKENS) for a in probe]
-    recs = drive_disagg(cluster, burst, NoBar())
-    return fit_decode_batch(prof, [r["ttft_s"] for r in recs], [prompt_tokens(llm, a) for a in burst],
-                            [r["tokens"] for r in recs], [r["tpot_s"] for r in recs if r["tpot_s"] is not None])
 
 
 def _worker_cpu_s(cluster) -> tuple[float, float]:

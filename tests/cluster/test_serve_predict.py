@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
-from cluster.bench.serve_predict import calibrate, errors, fit_decode_batch, predict, requests_of, within
+from cluster.bench.serve_predict import calibrate, errors, predict, requests_of, within
 from cluster.bench.serve_workload import Arrival
-from cluster.planner import Profile, simulate_decode_worker
+from cluster.planner import Profile
 
 
 def _arrivals(times, outs, images=()):
@@ -95,19 +93,3 @@ def test_errors_and_tolerance():
     assert within(e) is True and within(e, "colocated") is False
     assert within(e, tol=0.2) is False and within({}, "disaggregated") is None
     assert np.isfinite(e["colocated.ttft_s.p50"])
-
-
-def test_batch_fit_recovers_the_per_sequence_cost_of_a_burst():
-    # eight sequences (two prompt sizes) joining within 30 ms: their TPOT, simulated with 3 ms per sequence, is what
-    # the fit must explain starting from the engine's 1 ms
-    true = Profile(decode_base_s=0.005, decode_per_seq_s=0.003, decode_per_ctx_token_s=1e-6, decode_join_base_s=0.002)
-    first = np.linspace(0.0, 0.03, 8)
-    prompt, out = np.array([30, 1000] * 4), np.full(8, 32)
-    measured = simulate_decode_worker(true, first, prompt, out)
-    fitted = fit_decode_batch(dataclasses.replace(true, decode_per_seq_s=0.001), first.tolist(), prompt.tolist(),
-                              out.tolist(), measured.tolist())
-    assert fitted.decode_per_seq_s == pytest.approx(0.003, rel=0.02)
-    assert fitted.decode_base_s == true.decode_base_s and "8 sequences decoding together" in fitted.source
-    # a burst faster than the one-sequence step allows: no negative cost
-    fast = fit_decode_batch(true, first.tolist(), prompt.tolist(), out.tolist(), [0.001] * 8)
-    assert fast.decode_per_seq_s == 0.0

@@ -61,14 +61,18 @@ def _arrived(seq: Sequence, at: float) -> Sequence:
     return seq
 
 
-def test_shortest_policy_gives_short_prompts_a_step_of_their_own():
+def _scheduler(**kw) -> tuple[BlockManager, Scheduler]:
     bm = BlockManager(64, 4)
-    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, policy="shortest")
+    return bm, Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, **kw)
+
+
+def test_shortest_policy_gives_short_prompts_a_step_of_their_own():
+    bm, sch = _scheduler(policy="shortest")
     now = time.perf_counter()
     long_, short1, short2 = (_arrived(_seq(n), now) for n in (40, 6, 5))
     for s in (long_, short1, short2):
         sch.add(s)
-    out = sch.schedule()  # shortest first; the 40-token prompt would more than double the step's 11 tokens
+    out = sch.schedule()  # shortest first; the 40-token prompt is more than twice the step's 11 tokens
     assert _plan(out) == ([(short2.request_id, 5), (short1.request_id, 6)], [])
     _advance(out, bm)
     out = sch.schedule()  # decodes do not count as prompt tokens: the long prompt still gets a step
@@ -76,8 +80,7 @@ def test_shortest_policy_gives_short_prompts_a_step_of_their_own():
 
 
 def test_fcfs_policy_batches_in_arrival_order():
-    bm = BlockManager(64, 4)
-    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    _, sch = _scheduler()
     long_, short = _seq(40), _seq(6)
     sch.add(long_)
     sch.add(short)
@@ -85,8 +88,7 @@ def test_fcfs_policy_batches_in_arrival_order():
 
 
 def test_shortest_policy_serves_a_prompt_that_waited_too_long_first():
-    bm = BlockManager(64, 4)
-    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, policy="shortest", max_wait_s=2.0)
+    _, sch = _scheduler(policy="shortest", max_wait_s=2.0)
     now = time.perf_counter()
     old, fresh = _arrived(_seq(40), now - 3.0), _arrived(_seq(6), now)
     sch.add(fresh)
