@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from cluster import expert_router, messages
+from cluster.cluster_ops import ClusterOps
 from cluster.router import WorkerLoad, pick_decode, pick_prefill
 from cluster.spec import ClusterSpec
 from cluster.timeline import RequestClock
 from engine import SamplingParams
 from engine.config import DTYPES, ModelConfig
-from engine.errors import DuetError, InvalidRequestError, OutOfBlocksError
+from engine.errors import DuetError, OutOfBlocksError
 from engine.image_processor import ImageProcessor, load_image
 from engine.inputs import InputProcessor
 from engine.tokenizer import Tokenizer
@@ -75,7 +76,7 @@ class Completion:
     timeline: dict | None = None  # cluster.timeline.RequestClock.timeline: queue_s, prefill_s, decode_s, workers, ...
 
 
-class DisaggCluster:
+class DisaggCluster(ClusterOps):
     """Owns the actors; ``generate`` (async, streaming) and ``generate_batch`` (sync) serve requests."""
 
     def __init__(self, spec: ClusterSpec, *, ray_address: str | None = None) -> None:
@@ -182,103 +183,6 @@ class DisaggCluster:
             if not fut.done():
                 fut.cancel()  # cancels the request's await on the cluster loop, which aborts it on both workers
 
-    def status(self, timeout_s: float = 5.0) -> list[dict]:
-        """One dict per worker: ``worker_id, role, alive`` and the worker's own counters (prefill:
-        ``outstanding_tokens, waiting, running, free_blocks``; decode: ``free_blocks, receiving, running,
-        total_blocks``). A worker that does not answer within ``timeout_s`` is reported with ``alive=False``."""
-        import ray
-
-        workers = [("prefill", w) for w in self.prefills] + [("decode", w) for w in self.decodes]
-        refs = [w.actor.stats.remote() if w.load.alive else None for _, w in workers]
-        out = []
-        for (role, w), ref in zip(workers, refs, strict=True):
-            row: dict[str, Any] = {"worker_id": w.load.worker_id, "role": role, "alive": False}
-            if ref is not None:
-                try:
-                    stats = messages.unpack(ray.get(ref, timeout=timeout_s))
-                    row.update({k: v for k, v in stats.items() if k not in ("v", "worker_id")}, alive=True)
-                except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-                    pass
-            if role == "decode":
-                row["total_blocks"] = self.total_blocks.get(w.load.worker_id, 0)
-            out.append(row)
-        return out
-
-    # ------------------------------------------------------------------------------- pool hooks (cluster.autoscale)
-    def pool_sizes(self) -> dict[str, int]:
-        """Live workers per role that take new requests (draining ones excluded)."""
-        return {role: sum(w.load.alive and w.load.worker_id not in self._draining for w in ws)
-                for role, ws in (("prefill", self.prefills), ("decode", self.decodes))}
-
-    def add_worker(self, role: str) -> str:
-        """Start one more ``role`` worker (blocks until it answers, up to 300 s) and route to it; returns its id.
-        Its Ray resource request (``spec.actor_options(role)``) is what makes the Ray autoscaler add a node of the
-        pool when none has room. Not with expert-parallel decode groups (their membership is fixed)."""
-        import ray
-
-        self._check_resizable(role)
-        worker_id = f"{role}-{self._next_index[role]}"
-        self._next_index[role] += 1
-        w = self._spawn(role, worker_id)
-        ray.get(w.actor.ping.remote(), timeout=300)
-        if role == "decode":
-            w.load.free_blocks = messages.unpack(ray.get(w.actor.stats.remote(), timeout=30))["free_blocks"]
-            self.total_blocks[worker_id] = w.load.free_blocks
-            self.decodes.append(w)
-            self._pollers.append(asyncio.run_coroutine_threadsafe(self._poll(w), self._loop))
-            self._poller_of[worker_id] = self._pollers[-1]
-        else:
-            self.prefills.append(w)
-        return worker_id
-
-    def drain_worker(self, role: str, worker_id: str | None = None) -> str:
-        """Stop routing new requests to one ``role`` worker (``worker_id``, else the least loaded), let its running
-        requests finish, then shut it down and remove it. Returns the worker's id at once; :meth:`wait_drained`
-        waits for the removal. The pool keeps at least one worker taking requests."""
-        self._check_resizable(role)
-        pool = self.prefills if role == "prefill" else self.decodes
-        open_ = [w for w in pool if w.load.alive and w.load.worker_id not in self._draining]
-        if len(open_) < 2:
-            raise InvalidRequestError(f"cannot drain the last {role} worker")
-        if worker_id is None:
-            key = (lambda w: w.load.outstanding_tokens) if role == "prefill" else (lambda w: -w.load.free_blocks)
-            w = min(open_, key=key)
-        else:
-            w = next((x for x in open_ if x.load.worker_id == worker_id), None)
-            if w is None:
-                raise InvalidRequestError(f"no {role} worker {worker_id} taking requests")
-        self._draining[w.load.worker_id] = asyncio.run_coroutine_threadsafe(self._drain(w, pool), self._loop)
-        return w.load.worker_id
-
-    def wait_drained(self, worker_id: str, timeout_s: float | None = None) -> None:
-        """Block until :meth:`drain_worker`'s worker is removed."""
-        self._draining[worker_id].result(timeout=timeout_s)
-
-    def _check_resizable(self, role: str) -> None:
-        if role not in ("prefill", "decode"):
-            raise InvalidRequestError(f"role must be prefill or decode, got {role!r}")
-        if role == "decode" and self.expert_routers:
-            raise InvalidRequestError("decode pools in expert-parallel groups cannot be resized yet")
-
-    async def _drain(self, w: _Worker, pool: list[_Worker]) -> None:
-        import ray
-
-        wid = w.load.worker_id
-        while w.inflight:  # no new request is placed on it (routing skips draining workers); running ones finish
-            await asyncio.sleep(0.05)
-        w.load.alive = False
-        try:  # stops its loop and ends the poll in flight (the poller then sees the worker gone and returns)
-            await asyncio.wait_for(_aref(w.actor.shutdown.remote()), timeout=10)
-        except Exception as e:  # noqa: BLE001 - already gone; the kill below makes sure
-            logger.debug("shutdown of %s: %s", wid, e)
-        poller = self._poller_of.pop(wid, None)
-        if poller is not None:  # let it return from that poll rather than see the actor die
-            await asyncio.wait_for(asyncio.wrap_future(poller), timeout=30)
-        ray.kill(w.actor)
-        pool.remove(w)
-        self.total_blocks.pop(wid, None)
-        logger.info("drained and removed %s", wid)
-
     def _next_cpus(self) -> list[int]:
         """The next block of cores for a pinned worker (``ClusterSpec.pin_cpus``)."""
         width, total = max(1, int(self.spec.cpus_per_worker)), os.cpu_count() or 1
@@ -370,60 +274,6 @@ class DisaggCluster:
             logger.warning("front-end tasks did not stop within 5 s")
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
-
-    def expert_summary(self) -> dict | None:
-        """The expert-parallel groups' ``{"placement_changes", "balancedness", "prewarm_hits", "prewarm_misses"}``
-        (summed changes, mean balancedness over groups; see :meth:`cluster.expert_router.ExpertRouter.summary`), or
-        None without expert parallelism nor tiered expert memory. With tiered expert memory (``spec.expert_resident``)
-        ``prewarm_hits`` / ``prewarm_misses`` are the decode workers' expert accesses (one per layer, step and needed
-        expert) that found the expert resident / stalled on its load, summed (:mod:`decode_node.expert_tiers`)."""
-        tiers = self._tier_counts()
-        if not self.expert_routers and tiers is None:
-            return None
-        out = {"placement_changes": 0, "balancedness": None, "prewarm_hits": None, "prewarm_misses": None}
-        if self.expert_routers:
-            rows = [r.summary() for r in self.expert_routers]
-            measured = [r["balancedness"] for r in rows if r["balancedness"] is not None]
-            out.update(placement_changes=sum(r["placement_changes"] for r in rows),
-                       balancedness=sum(measured) / len(measured) if measured else None)
-        if tiers is not None:
-            out.update(tiers)
-        return out
-
-    def _tier_counts(self) -> dict | None:
-        if self.spec.expert_resident is None:
-            return None
-        rows = [r["expert_tiers"] for r in self.status() if r["role"] == "decode" and r.get("expert_tiers")]
-        return {"prewarm_hits": sum(r["expert_hits"] for r in rows),
-                "prewarm_misses": sum(r["stalled_loads"] for r in rows)}
-
-    def clear_vision_caches(self, timeout_s: float = 30.0) -> int:
-        """Every worker forgets its cached image encodings (benchmarks); returns how many were dropped in all."""
-        import ray
-
-        return sum(ray.get([w.actor.clear_vision_cache.remote() for w in self.prefills + self.decodes],
-                           timeout=timeout_s))
-
-    def check_no_leaks(self, timeout_s: float = 10.0) -> dict[str, int]:
-        """Blocks held per live worker once idle (waits up to ``timeout_s`` for in-flight work to drain)."""
-        import ray
-
-        held: dict[str, int] = {}
-        for w in self.prefills + self.decodes:
-            if not w.load.alive:
-                continue
-            end = time.monotonic() + timeout_s
-            while True:
-                try:
-                    r = messages.unpack(ray.get(w.actor.check_no_leaks.remote(), timeout=30))
-                except ray.exceptions.RayActorError:
-                    w.load.alive = False
-                    break
-                if r["idle"] or time.monotonic() > end:
-                    held[w.load.worker_id] = r["held"]
-                    break
-                time.sleep(0.05)
-        return held
 
     # -------------------------------------------------------------------------------------------------- internals
     async def _batch(self, prompts: list[Any], params: list[SamplingParams]) -> list[Completion]:
