@@ -7,7 +7,8 @@ tokens back through :meth:`DecodeActor.poll` (one message per poll for all its r
 dead worker is retried once on another pair; otherwise the request fails with a typed error. Every wait has a deadline.
 
 With ``spec.expert_parallel > 1`` the decode workers form expert-parallel groups before serving (they share the MoE
-experts; :mod:`cluster.expert_router` forms them and runs one expert router per group).
+experts; :mod:`cluster.expert_router` forms them and runs one expert router per group). Status, pool resizing and
+draining, and the benchmarks' checks are in :mod:`cluster.cluster_ops`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Modality-aware KV compression on the wire: policies, the per-request context, and the ``modal`` codec.
+"""Modality-aware KV compression on the wire: the per-request context and the ``modal`` codec (the policies it
+follows: :mod:`kv_transfer.compression_policy`).
 
 A layer's valid tokens (``CodecContext.num_tokens``; the padding of the last block never travels) split into a
 TEXT and a VISUAL section by ``CodecContext.visual``. Per section, K and V are encoded separately:
@@ -35,158 +36,40 @@ group * 2 B + 2304 = 2448 B; plus a 5-byte token mask: 5013 B for what float32 s
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from kv_transfer.base import KVLayout, ProtocolError
 from kv_transfer.codec import Codec, get_codec, register_codec, tensor_bytes
+from kv_transfer.compression_policy import (  # noqa: F401 - the policies are part of this module's API
+    AGGRESSIVE,
+    DEFAULT,
+    INT_BITS,
+    METHODS,
+    POLICIES,
+    POLICY_VERSION,
+    SECTIONS,
+    CompressionPolicy,
+    InvalidPolicy,
+    Method,
+    check_method,
+    is_int,
+    needs_scores,
+    resolve_policy,
+)
 
-POLICY_VERSION = 1
 META_VERSION = 1
 CHECKSUM_CHUNK = 64 << 10  # bytes per crc32 of a modal payload
-METHODS = ("raw", "fp8", "int")
-INT_BITS = (4, 8)
 SCALE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
-SECTIONS = ("text", "visual")
 FP8_MAX = 448.0
-
-DEFAULT_VISUAL_BITS, DEFAULT_VISUAL_GROUP = 8, 64
-# group 64, not 32: at 36 visual tokens per image the float16 scales of 32-groups cost 0.9 bits a value and the
-# ratio to float32 falls to 6.8x; on the demo model 64-groups keep the same agreement and accuracy (bench kv-codec)
-AGGRESSIVE_VISUAL_BITS, AGGRESSIVE_VISUAL_GROUP, AGGRESSIVE_VISUAL_KEEP_K = 4, 64, 0.75
-
-
-class InvalidPolicy(ValueError):
-    """A compression policy spec with a bad field; the one-line message names the field and the allowed values."""
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_ratio(value: Any, field: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise InvalidPolicy(f"{field} must be a number in (0, 1], got {value!r}")
-
-
-def _check_method(kind: Any, bits: Any, group: Any, keep_k: Any, keep_v: Any, where: str) -> None:
-    if kind not in METHODS:
-        raise InvalidPolicy(f"{where}.kind must be one of {list(METHODS)}, got {kind!r}")
-    if not (_is_int(bits) and bits in INT_BITS) if kind == "int" else bits is not None:
-        raise InvalidPolicy(f"{where}.bits must be one of {list(INT_BITS)} for kind 'int' and None otherwise, "
-                            f"got {bits!r}")
-    if not (_is_int(group) and group >= 1) if kind == "int" else group is not None:
-        raise InvalidPolicy(f"{where}.group must be an int >= 1 for kind 'int' and None otherwise, got {group!r}")
-    _check_ratio(keep_k, f"{where}.keep_k")
-    _check_ratio(keep_v, f"{where}.keep_v")
-
-
-def _check_keys(d: Any, allowed: tuple[str, ...], where: str) -> None:
-    if not isinstance(d, dict):
-        raise InvalidPolicy(f"{where} must be a JSON object / dict, got {type(d).__name__}")
-    unknown = sorted(set(d) - set(allowed), key=str)
-    if unknown:
-        raise InvalidPolicy(f"{where} has unknown field {unknown[0]!r} (allowed: {list(allowed)})")
-
-
-@dataclass(frozen=True)
-class Method:
-    """How one modality's K and V travel. ``bits`` (4 | 8) and ``group`` (>= 1) are for ``kind="int"`` only;
-    ``keep_k``/``keep_v`` in (0, 1] are the fractions of channels kept per KV head (1.0: no pruning)."""
-
-    kind: str = "raw"
-    bits: int | None = None
-    group: int | None = None
-    keep_k: float = 1.0
-    keep_v: float = 1.0
-
-    def __post_init__(self) -> None:
-        _check_method(self.kind, self.bits, self.group, self.keep_k, self.keep_v, "Method")
-
-    @classmethod
-    def from_dict(cls, d: Any, where: str) -> Method:
-        """Raises :class:`InvalidPolicy` naming ``where.<field>``."""
-        _check_keys(d, ("kind", "bits", "group", "keep_k", "keep_v"), where)
-        fields = {**asdict(cls()), **d}
-        _check_method(**fields, where=where)
-        return cls(**fields)
-
-
-@dataclass(frozen=True)
-class CompressionPolicy:
-    """Per-modality methods plus FastV-style visual-token dropping (``keep_visual_tokens`` in (0, 1]).
-
-    Crosses processes as ``to_dict()`` (msgpack-able, with ``"version"``).
-    """
-
-    name: str
-    text: Method
-    visual: Method
-    keep_visual_tokens: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise InvalidPolicy(f"policy.name must be a non-empty str, got {self.name!r}")
-        for field in ("text", "visual"):
-            if not isinstance(getattr(self, field), Method):
-                raise InvalidPolicy(f"policy.{field} must be a Method, got {type(getattr(self, field)).__name__}")
-        _check_ratio(self.keep_visual_tokens, "policy.keep_visual_tokens")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"version": POLICY_VERSION, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, d: Any) -> CompressionPolicy:
-        """Inverse of :meth:`to_dict` (``text``/``visual`` default to raw); raises :class:`InvalidPolicy`."""
-        _check_keys(d, ("version", "name", "text", "visual", "keep_visual_tokens"), "policy")
-        if d.get("version") != POLICY_VERSION:
-            raise InvalidPolicy(f"policy.version must be {POLICY_VERSION}, got {d.get('version')!r}")
-        return cls(name=d.get("name"), text=Method.from_dict(d.get("text", {}), "policy.text"),
-                   visual=Method.from_dict(d.get("visual", {}), "policy.visual"),
-                   keep_visual_tokens=d.get("keep_visual_tokens", 1.0))
-
-
-DEFAULT = CompressionPolicy("default", text=Method("raw"),
-                            visual=Method("int", bits=DEFAULT_VISUAL_BITS, group=DEFAULT_VISUAL_GROUP))
-AGGRESSIVE = CompressionPolicy("aggressive", text=Method("fp8"),
-                               visual=Method("int", bits=AGGRESSIVE_VISUAL_BITS, group=AGGRESSIVE_VISUAL_GROUP,
-                                             keep_k=AGGRESSIVE_VISUAL_KEEP_K))
-POLICIES: dict[str, CompressionPolicy | None] = {"none": None, "default": DEFAULT, "aggressive": AGGRESSIVE}
-
-
-def resolve_policy(spec: None | str | dict[str, Any] | CompressionPolicy) -> CompressionPolicy | None:
-    """A policy from a name (``none`` / ``default`` / ``aggressive``), a JSON object string, a dict (``version``
-    and ``name`` optional) or a policy; None for no compression. Raises :class:`InvalidPolicy`."""
-    if spec is None or isinstance(spec, CompressionPolicy):
-        return spec
-    if isinstance(spec, str):
-        if not spec.lstrip().startswith("{"):
-            if spec not in POLICIES:
-                raise InvalidPolicy(f"policy must be one of {list(POLICIES)} or a JSON object, got {spec!r}")
-            return POLICIES[spec]
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise InvalidPolicy(f"policy JSON does not parse: {e}") from None
-    if not isinstance(spec, dict):
-        raise InvalidPolicy(f"policy must be None, a name, a JSON object, a dict or a CompressionPolicy, "
-                            f"got {type(spec).__name__}")
-    return CompressionPolicy.from_dict({"version": POLICY_VERSION, "name": "custom", **spec})
 
 
 def codec_for(policy: CompressionPolicy | None) -> Codec:
     """The codec a sender should use for ``policy``: the identity codec for None, else a :class:`ModalCodec`."""
     return get_codec("identity") if policy is None else ModalCodec(policy)
-
-
-def needs_scores(policy: CompressionPolicy) -> bool:
-    """Whether ``policy`` prunes channels or drops tokens, i.e. whether :class:`CodecContext` scores matter."""
-    methods = (policy.text, policy.visual)
-    return policy.keep_visual_tokens < 1 or any(m.keep_k < 1 or m.keep_v < 1 for m in methods)
 
 
 @dataclass(eq=False)
@@ -520,7 +403,7 @@ def _decode(payload: torch.Tensor, header: dict[str, Any],
     num_blocks, kvh, d = header["num_blocks"], layout.num_kv_heads, layout.head_dim
     capacity = num_blocks * layout.block_size
     n_tok = meta.get("num_tokens")
-    if not _is_int(n_tok) or not 0 <= n_tok <= capacity:
+    if not is_int(n_tok) or not 0 <= n_tok <= capacity:
         raise ProtocolError(f"codec_meta num_tokens {n_tok!r} is outside [0, {capacity}] (the lease's capacity)")
     sections = meta.get("sections")
     if not isinstance(sections, dict) or sorted(sections) != sorted(SECTIONS):
@@ -559,7 +442,7 @@ def _decode_entry(entry: Any, where: str, payload: torch.Tensor, pos: torch.Tens
         raise ProtocolError(f"codec_meta {where} must be a map")
     kind, scale_dtype = entry.get("kind"), entry.get("scale_dtype")
     try:
-        _check_method(kind, entry.get("bits"), entry.get("group"), 1.0, 1.0, where)
+        check_method(kind, entry.get("bits"), entry.get("group"), 1.0, 1.0, where)
     except InvalidPolicy as e:
         raise ProtocolError(f"codec_meta {e}") from None
     allowed = {"raw": [None], "fp8": ["float32"], "int": list(SCALE_DTYPES)}[kind]
@@ -572,7 +455,7 @@ def _decode_entry(entry: Any, where: str, payload: torch.Tensor, pos: torch.Tens
     enc = _Encoding(kind, entry.get("bits"), entry.get("group"), scale_dtype, keys)
     n, length = pos.numel(), enc.nbytes(pos.numel(), kvh, c, out.element_size())
     off, ln = entry.get("offset"), entry.get("length")
-    if not (_is_int(off) and _is_int(ln)) or off < 0 or ln != length or off + ln > payload.numel():
+    if not (is_int(off) and is_int(ln)) or off < 0 or ln != length or off + ln > payload.numel():
         raise ProtocolError(f"codec_meta {where}: offset {off!r} + length {ln!r} (expected length {length}) does not "
                             f"fit the {payload.numel()}-byte payload")
     if n:
