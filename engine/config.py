@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import CheckpointError, UnsupportedModelError
+from engine.scheduler import POLICIES
 
 SUPPORTED_TEXT_MODELS = ("qwen3_moe", "mixtral", "qwen3", "llama", "mistral")
 SUPPORTED_VISION_MODELS = ("siglip_vision_model", "clip_vision_model")
@@ -255,8 +256,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.decode_mirror_tokens is not None and self.decode_mirror_tokens < 1:
             raise ValueError("decode_mirror_tokens must be >= 1 (or None)")
-        if self.scheduling_policy not in ("fcfs", "shortest"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'shortest', got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {list(POLICIES)}, got {self.scheduling_policy!r}")
         if not self.scheduling_max_wait_s > 0:
             raise ValueError("scheduling_max_wait_s must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
