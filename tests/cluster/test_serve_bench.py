@@ -68,9 +68,28 @@ def test_bad_rates_are_a_usage_error(capsys):
     assert e.value.code == 2
 
 
-def test_quick_run_writes_the_figures(ray_cluster, tmp_path, capsys):
+def test_quick_run_writes_the_figures(ray_cluster, tmp_path, capsys, monkeypatch):
+    from cluster import disagg
+    from cluster.bench import serve_bench
+
+    # every colocated request runs before the cluster exists (an idle cluster beside it slows the baseline)
+    events: list[str] = []
+    drive, cluster_init = serve_bench.drive_colocated, disagg.DisaggCluster.__init__
+
+    def logged_drive(*a, **k):
+        events.append("colocated")
+        return drive(*a, **k)
+
+    def logged_init(self, *a, **k):
+        events.append("cluster")
+        cluster_init(self, *a, **k)
+
+    monkeypatch.setattr(serve_bench, "drive_colocated", logged_drive)
+    monkeypatch.setattr(disagg.DisaggCluster, "__init__", logged_init)
     out = tmp_path / "serve.json"
     assert main(["bench", "serve", "--quick", "--json", str(out)]) == 0
+    assert events.count("cluster") == 1 and "colocated" not in events[events.index("cluster"):]
+    assert events.count("colocated") >= 2  # the warm-up and the rate
     got = json.loads(out.read_text())
     assert got["quick"] and got["slo"] == {"ttft_s": 1.0, "tpot_s": 0.1}
     (row,) = got["rates"]
