@@ -160,7 +160,7 @@ class ClusterOps:
             await asyncio.sleep(0.05)
         w.load.alive = False
         try:  # stops its loop and ends the poll in flight (the poller then sees the worker gone and returns)
-            await asyncio.wait_for(_aref(w.actor.shutdown.remote()), timeout=10)
+            await asyncio.wait_for(await_ref(w.actor.shutdown.remote()), timeout=10)
         except Exception as e:  # noqa: BLE001 - already gone; the kill below makes sure
             logger.debug("shutdown of %s: %s", wid, e)
         poller = self._poller_of.pop(wid, None)
@@ -172,5 +172,6 @@ class ClusterOps:
         logger.info("drained and removed %s", wid)
 
 
-async def _aref(ref):
+async def await_ref(ref):
+    """A Ray ObjectRef as a coroutine (so ``asyncio.wait_for`` can bound it)."""
     return await ref

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster import expert_router, messages
-from cluster.cluster_ops import ClusterOps
+from cluster.cluster_ops import ClusterOps, await_ref
 from cluster.router import WorkerLoad, pick_decode, pick_prefill
 from cluster.spec import ClusterSpec
 from cluster.timeline import RequestClock
@@ -445,7 +445,7 @@ class DisaggCluster(ClusterOps):
 
         while w.load.alive:
             try:
-                msg = messages.unpack(await asyncio.wait_for(_aref(w.actor.poll.remote(POLL_S)), timeout=30))
+                msg = messages.unpack(await asyncio.wait_for(await_ref(w.actor.poll.remote(POLL_S)), timeout=30))
             except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
                 w.load.alive = False
                 logger.error("decode worker %s is gone: %s", w.load.worker_id, e)
@@ -460,10 +460,6 @@ class DisaggCluster(ClusterOps):
                     q.put_nowait(ev)
 
 
-async def _aref(ref):
-    return await ref
-
-
 async def _remote(method, payload: bytes, deadline: float) -> bytes:
     left = max(0.1, deadline - time.monotonic())
-    return await asyncio.wait_for(_aref(method.remote(payload)), timeout=left)
+    return await asyncio.wait_for(await_ref(method.remote(payload)), timeout=left)

@@ -64,6 +64,10 @@ class Profile:
         return (self.prefill_base_s + tokens * self.prefill_per_token_s + tokens.astype(float) ** 2
                 * self.prefill_per_token2_s + images * self.prefill_per_image_s)
 
+    def decode_step_s(self, batch: int, context_tokens: float) -> float:
+        """One decode step over ``batch`` sequences holding ``context_tokens`` context tokens in all."""
+        return self.decode_base_s + batch * self.decode_per_seq_s + context_tokens * self.decode_per_ctx_token_s
+
     def exposed_transfer_s(self, tokens: np.ndarray) -> np.ndarray:
         return (self.transfer_base_s + tokens * self.transfer_per_token_s) * self.transfer_exposed_fraction
 
@@ -214,7 +218,7 @@ def simulate_decode_worker(prof: Profile, first_token: np.ndarray, prompt: np.nd
         if not ends:
             continue
         b = len(ends)
-        t += prof.decode_base_s + b * prof.decode_per_seq_s + (ctx_base + b * step) * prof.decode_per_ctx_token_s
+        t += prof.decode_step_s(b, ctx_base + b * step)
         step += 1
         while ends and ends[0][0] <= step:
             _, i = heapq.heappop(ends)
@@ -251,7 +255,7 @@ def simulate_colocated_gpu(prof: Profile, req: Requests, rate: float, *,
         b = len(ends)
         t += sum(service[i] for i in batch)
         if b:
-            t += prof.decode_base_s + b * prof.decode_per_seq_s + (ctx_base + b * step) * prof.decode_per_ctx_token_s
+            t += prof.decode_step_s(b, ctx_base + b * step)
             step += 1
             while ends and ends[0][0] <= step:
                 _, i = heapq.heappop(ends)

@@ -120,7 +120,7 @@ class _Planner:
         self.prefill_work = float(np.mean(prof.prefill_s(self.base.prompt, self.base.images)))
         b = prof.max_decode_batch
         ctx = b * float(np.mean(self.base.prompt + self.base.output / 2))
-        step = prof.decode_base_s + b * prof.decode_per_seq_s + ctx * prof.decode_per_ctx_token_s
+        step = prof.decode_step_s(b, ctx)
         self.decode_work = step / b * float(np.mean(self.base.output - 1))
         self.prefill_guess = 1.0 / self.prefill_work
         self.decode_guess = 1.0 / max(self.decode_work, 1e-12)

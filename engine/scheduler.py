@@ -103,16 +103,19 @@ class Scheduler:
                 budget -= n
                 i += 1
         shortest = self.policy == "shortest"
-        if shortest and len(self.waiting) > 1:
-            self._order_shortest()
-        step_tokens = sum(c.num_tokens for c in chosen if not c.is_decode)  # prompt tokens already in the step
+        step_tokens = 0  # "shortest": prompt tokens already in the step
+        if shortest and self.waiting:
+            if len(self.waiting) > 1:
+                self._order_shortest()
+            step_tokens = sum(c.num_tokens for c in chosen if not c.is_decode)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             hits = self.bm.lookup_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
-            if shortest and step_tokens and n > 2 * step_tokens:
-                break  # a much longer prompt: the shorter ones already in the step get it to themselves
-            step_tokens += n
+            if shortest:
+                if step_tokens and n > 2 * step_tokens:
+                    break  # a much longer prompt: the shorter ones already in the step get it to themselves
+                step_tokens += n
             if not self.bm.can_allocate(seq, hits, n):
                 break
             self.waiting.popleft()

@@ -148,13 +148,14 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
     prompt_lens = [prompt_tokens(llm, a) for a in _workload(args, tok, n, 1.0)]
     warm = make_workload(tok, 2, 100.0, seed=args.seed + 1, image_fraction=0.5, output_mean=2, output_max=2)
     probe = serve_predict.probe_requests(tok, args.seed, args.images)
-    rows = [{"rate": rate} for rate in rates]
+    probe_lens = [prompt_tokens(llm, a) for a in probe]
+    workloads = {rate: _workload(args, tok, n, rate) for rate in rates}  # the same requests for both systems
+    rows = [{"rate": rate, "image_requests": sum(a.kind == "image" for a in workloads[rate])} for rate in rates]
     profiles = None
 
     def run_rates(name: str, drive, target, clear) -> None:
         for row in rows:
-            arrivals = _workload(args, tok, n, row["rate"])
-            row["image_requests"] = sum(a.kind == "image" for a in arrivals)
+            arrivals = workloads[row["rate"]]
             clear()  # every rate replays the same images: each system starts it without their encodings
             cpu0 = serve_predict.prefill_cpu_s(target) if name == "disaggregated" else None
             with tqdm(total=n, desc=f"{name} @ {row['rate']:g} req/s", leave=False, file=sys.stderr) as bar:
@@ -165,7 +166,7 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
 
     drive_colocated(llm, warm, NoBar())
     if args.predict:
-        profiles = {"colocated": serve_predict.profile_colocated(model_dir, llm, probe)}
+        profiles = {"colocated": serve_predict.profile_colocated(model_dir, llm, probe, probe_lens)}
     run_rates("colocated", drive_colocated, llm, llm.engine.clear_vision_cache)
     spec = ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport=args.kv_transport,
                        cpus_per_worker=1, pin_cpus=args.pin,
@@ -177,7 +178,7 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
     try:
         drive_disagg(cluster, warm, NoBar())
         if profiles is not None:
-            profiles["workers"] = serve_predict.profile_workers(model_dir, llm, cluster, probe)
+            profiles["workers"] = serve_predict.profile_workers(model_dir, cluster, probe, probe_lens)
         run_rates("disaggregated", drive_disagg, cluster, cluster.clear_vision_caches)
         row_leaks = cluster.check_no_leaks()
     finally:
@@ -187,13 +188,11 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
         row["ratios"] = {"p99_tpot": ratio(d["tpot_s"]["p99"], c["tpot_s"]["p99"]),
                          "goodput": ratio(d["goodput_req_s"], c["goodput_req_s"])}
         if profiles is not None:
-            arrivals = _workload(args, tok, n, row["rate"])
-            req = serve_predict.requests_of(arrivals, prompt_lens, row["rate"])
+            req = serve_predict.requests_of(workloads[row["rate"]], prompt_lens, row["rate"])
             row["predicted"] = serve_predict.predict(profiles["workers"], profiles["colocated"], req, row["rate"],
                                                      prefill_budget=budget, prefill_policy=args.prefill_policy)
             row["prediction_errors"] = serve_predict.errors(row["predicted"], row)
         row["leaked_blocks"] = sum(row_leaks.values())
-        row["prefill_budget"] = budget
     return rows, profiles
 
 
@@ -265,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     n = args.requests or (6 if args.quick else 64)
     args.output_mean = args.output_mean or (4.0 if args.quick else 32.0)
     if (n < 1 or not 0 <= args.image_fraction <= 1 or args.output_mean < 1 or args.colocated_threads < 1
-            or args.images < 0 or (args.prefill_batched_tokens or 0) < 0):
+            or args.images < 0 or args.prefill_batched_tokens < 0):
         print("duet: error: --requests, --output-mean and --colocated-threads must be >= 1, --images and "
               "--prefill-batched-tokens >= 0 and "
               "--image-fraction in [0, 1]", file=sys.stderr)
@@ -304,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
                                   "output_max": args.output_max, "seed": args.seed},
                      "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
                      "colocated_threads": args.colocated_threads, "kv_transport": args.kv_transport,
-                     "prefill_batched_tokens": rows[0].get("prefill_budget") if rows else None,
+                     "prefill_batched_tokens": args.prefill_batched_tokens or None,
                      "prefill_policy": args.prefill_policy,
                      "rates": rows, "criteria": crit, "plots": pngs,
                      "profiles": {k: v.__dict__ for k, v in (profiles or {}).items()},

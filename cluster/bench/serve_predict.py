@@ -24,7 +24,6 @@ from cluster.bench.serve_workload import (
     drive_colocated,
     drive_disagg,
     make_workload,
-    prompt_tokens,
 )
 from cluster.planner import (
     DEFAULT_BATCHED_TOKENS,
@@ -195,19 +194,20 @@ def _measure_profile(model_dir: Path, threads: int):
     return measure_profile(model_dir=model_dir, threads=threads, batches=(1, 2, 4, 8), contexts=(512, 1024))
 
 
-def profile_colocated(model_dir: Path, llm, probe: list[Arrival]):
-    """The colocated engine's profile (its threads), calibrated by the probe requests served one at a time."""
+def profile_colocated(model_dir: Path, llm, probe: list[Arrival], probe_tokens: list[int]):
+    """The colocated engine's profile (its threads), calibrated by the probe requests (``probe_tokens`` prompt
+    tokens each) served one at a time."""
     import torch
 
     log("measuring the colocated engine's profile for the planner check")
     prof = _measure_profile(model_dir, torch.get_num_threads())
     drive_colocated(llm, probe[-1:], NoBar())  # the first prompt of this size pays one-off allocations
     recs = [drive_colocated(llm, [a], NoBar())[0] for a in probe]
-    return calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
-                     [prompt_tokens(llm, a) for a in probe], [a.images for a in probe])
+    return calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs], probe_tokens,
+                     [a.images for a in probe])
 
 
-def profile_workers(model_dir: Path, llm, cluster, probe: list[Arrival]):
+def profile_workers(model_dir: Path, cluster, probe: list[Arrival], probe_tokens: list[int]):
     """The workers' profile (one thread), calibrated by the probe requests: the prefill worker's CPU time is what a
     request occupies its core with, and the decode worker's beyond its steps what taking the request in costs it (the
     idle loop's own rate taken out)."""
@@ -222,9 +222,8 @@ def profile_workers(model_dir: Path, llm, cluster, probe: list[Arrival]):
         after = _worker_cpu_s(cluster)
         service.append(after[0] - before[0])
         join.append(max(0.0, after[1] - before[1] - idle * (time.perf_counter() - t0)))
-    return calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs],
-                     [prompt_tokens(llm, a) for a in probe], [a.images for a in probe], service=service, join=join,
-                     outputs=[r["tokens"] for r in recs])
+    return calibrate(prof, [r["ttft_s"] for r in recs], [r["tpot_s"] for r in recs], probe_tokens,
+                     [a.images for a in probe], service=service, join=join, outputs=[r["tokens"] for r in recs])
 
 
 def _worker_cpu_s(cluster) -> tuple[float, float]:
