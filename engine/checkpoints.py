@@ -212,7 +212,7 @@ def _init_stats(name: str, shape: torch.Size) -> tuple[float, float]:
     """(mean, std) for one parameter: unit-scale activations everywhere, so logits are well separated."""
     if name.endswith("bias"):
         return 0.0, 0.02
-    if len(shape) == 4:  # patch-embedding conv [out, C, p, p]
+    if len(shape) in (4, 5):  # patch-embedding conv [out, C, p, p] (or [out, C, T, p, p], Qwen3-VL)
         return 0.0, 1.0 / math.sqrt(math.prod(shape[1:]))
     if len(shape) == 1 and "norm" in name:  # LayerNorm / RMSNorm / q_norm / k_norm weights
         return 1.0, 0.1

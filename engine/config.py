@@ -7,6 +7,7 @@ read. :class:`EngineConfig` holds the serving knobs (dtype, KV pool size, batchi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -15,9 +16,12 @@ from pathlib import Path
 import torch
 
 from engine.errors import CheckpointError, UnsupportedModelError
+from engine.qwen_vision import QwenVisionConfig
 from engine.scheduler import POLICIES
 
 SUPPORTED_TEXT_MODELS = ("qwen3_moe", "mixtral", "qwen3", "llama", "mistral")
+# Qwen3-VL families: (text config model_type, whether its layers may be sparse)
+QWEN_VL_MODELS = {"qwen3_vl_moe": ("qwen3_vl_moe_text", True), "qwen3_vl": ("qwen3_vl_text", False)}
 SUPPORTED_VISION_MODELS = ("siglip_vision_model", "clip_vision_model")
 SUPPORTED_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "gelu_new", "quick_gelu", "silu", "relu")
 logger = logging.getLogger(__name__)
@@ -69,6 +73,7 @@ class TextConfig:
     norm_topk_prob: bool
     moe_layers: tuple[bool, ...]
     sliding_window: int | None
+    mrope_section: tuple[int, int, int] | None = None  # interleaved M-RoPE (Qwen3-VL); None: 1-D RoPE
 
     @property
     def is_moe(self) -> bool:
@@ -77,10 +82,12 @@ class TextConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Everything the runtime needs to know about a LLaVA checkpoint."""
+    """Everything the runtime needs to know about a checkpoint: the LLaVA architecture (``family == "llava"``, a
+    fixed number of visual tokens per image) or a Qwen3-VL family (``"qwen3_vl"``: native-resolution vision, the
+    visual-token count follows each image's grid, M-RoPE, DeepStack)."""
 
     text: TextConfig
-    vision: VisionConfig | None
+    vision: VisionConfig | QwenVisionConfig | None
     image_token_index: int | None
     image_seq_length: int
     vision_feature_layers: tuple[int, ...]
@@ -89,11 +96,25 @@ class ModelConfig:
     projector_bias: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    family: str = "llava"
+    vision_start_token_id: int | None = None  # qwen3_vl: <|vision_start|> (precedes each image's placeholders)
+    vision_end_token_id: int | None = None
+    video_token_id: int | None = None
+    expert_layout_hint: str = "hf"  # qwen3_vl_moe fused experts when shapes cannot tell: "hf" or "published"
+
+    @property
+    def is_qwen_vl(self) -> bool:
+        return self.family == "qwen3_vl"
+
+    @property
+    def num_deepstack_levels(self) -> int:
+        return len(self.vision.deepstack_visual_indexes) if isinstance(self.vision, QwenVisionConfig) else 0
 
     @property
     def tokens_per_image(self) -> int:
-        """Number of placeholder tokens (and projected features) one image expands to."""
-        assert self.vision is not None
+        """Number of placeholder tokens (and projected features) one image expands to (LLaVA; a Qwen3-VL image's
+        count follows its grid: ``QwenVisionConfig.tokens_for_grid``)."""
+        assert isinstance(self.vision, VisionConfig), "only LLaVA checkpoints have a fixed number of tokens per image"
         drop = 1 if self.vision_feature_select_strategy == "default" else 0
         return self.vision.num_positions - drop
 
@@ -136,6 +157,8 @@ def _check_act(name: str, what: str) -> str:
 
 def parse_text_config(t: dict) -> TextConfig:
     mt = t.get("model_type")
+    if mt in {text for text, _ in QWEN_VL_MODELS.values()}:
+        return _parse_qwen_vl_text(t, sparse=mt == "qwen3_vl_moe_text")
     if mt not in SUPPORTED_TEXT_MODELS:
         raise UnsupportedModelError(f"unsupported text model_type {mt!r} (supported: {', '.join(SUPPORTED_TEXT_MODELS)})")
     try:
@@ -172,6 +195,29 @@ def parse_text_config(t: dict) -> TextConfig:
         raise CheckpointError(f"text config is missing {e.args[0]!r}") from None
 
 
+def _parse_qwen_vl_text(t: dict, *, sparse: bool) -> TextConfig:
+    """A Qwen3-VL text config: Qwen3(-MoE) layers with interleaved M-RoPE. Its router always renormalises the top-k
+    weights and casts them to the model dtype (transformers' ``Qwen3VLMoeTextTopKRouter``)."""
+    rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise UnsupportedModelError(f"unsupported rope_type {rope_type!r} (only 'default' M-RoPE)")
+    if not rope.get("mrope_interleaved", True):
+        raise UnsupportedModelError("only interleaved M-RoPE (mrope_interleaved: true) is supported")
+    section = tuple(int(x) for x in rope.get("mrope_section", (24, 20, 20)))
+    base = {**t, "model_type": "qwen3_moe" if sparse else "qwen3", "rope_parameters": {
+        "rope_type": "default", "rope_theta": rope.get("rope_theta", t.get("rope_theta", 5e5))}}
+    if sparse:
+        base["norm_topk_prob"] = True
+    else:
+        base.pop("num_experts", None), base.pop("num_local_experts", None)
+    cfg = parse_text_config(base)
+    half = cfg.head_dim // 2
+    if len(section) != 3 or sum(section) != half:
+        raise UnsupportedModelError(f"mrope_section {list(section)} must have 3 entries summing to head_dim/2 = {half}")
+    return dataclasses.replace(cfg, model_type=t["model_type"], mrope_section=section)  # type: ignore[arg-type]
+
+
 def parse_vision_config(v: dict) -> VisionConfig:
     mt = v.get("model_type")
     if mt not in SUPPORTED_VISION_MODELS:
@@ -192,13 +238,16 @@ def parse_vision_config(v: dict) -> VisionConfig:
 def parse_config(raw: dict, generation_config: dict | None = None) -> ModelConfig:
     """Parse a ``config.json`` dict (``model_type`` ``llava``, or a bare supported text model)."""
     mt = raw.get("model_type")
+    if mt in QWEN_VL_MODELS:
+        return _parse_qwen_vl(raw, generation_config or {})
     if mt == "llava":
         text = parse_text_config(raw.get("text_config") or {})
         vision = parse_vision_config(raw.get("vision_config") or {})
     elif mt in SUPPORTED_TEXT_MODELS:
         text, vision = parse_text_config(raw), None
     else:
-        raise UnsupportedModelError(f"unsupported model_type {mt!r} (supported: llava, {', '.join(SUPPORTED_TEXT_MODELS)})")
+        raise UnsupportedModelError(f"unsupported model_type {mt!r} (supported: llava, {', '.join(QWEN_VL_MODELS)}, "
+                                    f"{', '.join(SUPPORTED_TEXT_MODELS)})")
     layers = _as_tuple(raw.get("vision_feature_layer", -2))
     strategy = raw.get("vision_feature_select_strategy", "default")
     if strategy not in ("default", "full"):
@@ -222,6 +271,38 @@ def parse_config(raw: dict, generation_config: dict | None = None) -> ModelConfi
         logger.warning("config image_seq_length %d differs from the %d features the vision tower yields per image; "
                        "using %d", cfg.image_seq_length, cfg.tokens_per_image, cfg.tokens_per_image)
     return cfg
+
+
+def _parse_qwen_vl(raw: dict, gen: dict) -> ModelConfig:
+    mt = raw["model_type"]
+    text_type, _ = QWEN_VL_MODELS[mt]
+    t = dict(raw.get("text_config") or {})
+    if t.get("model_type", text_type) != text_type:
+        raise UnsupportedModelError(f"{mt} checkpoint with text model_type {t.get('model_type')!r} (expected {text_type})")
+    t["model_type"] = text_type
+    # the top-level flag governs the conditional-generation model's lm_head (transformers 5)
+    t["tie_word_embeddings"] = raw.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
+    text = parse_text_config(t)
+    vision = QwenVisionConfig.from_dict(raw.get("vision_config") or {})
+    if vision.out_hidden_size != text.hidden_size:
+        raise CheckpointError(f"vision out_hidden_size {vision.out_hidden_size} != text hidden_size {text.hidden_size}")
+    if len(vision.deepstack_visual_indexes) > text.num_layers:
+        raise CheckpointError("more DeepStack levels than decoder layers")
+    ids = {k: raw.get(k) for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    if ids["image_token_id"] is None:
+        raise CheckpointError(f"{mt} config has no image_token_id")
+    eos = _as_tuple(gen.get("eos_token_id")) or _as_tuple(t.get("eos_token_id")) or _as_tuple(raw.get("eos_token_id"))
+    version = str(raw.get("transformers_version") or "")
+    return ModelConfig(
+        text=text, vision=vision, image_token_index=int(ids["image_token_id"]), image_seq_length=0,
+        vision_feature_layers=(), vision_feature_select_strategy="full", projector_hidden_act="gelu",
+        projector_bias=True, eos_token_ids=eos,
+        torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or t.get("dtype") or "float32"),
+        family="qwen3_vl", vision_start_token_id=ids["vision_start_token_id"],
+        vision_end_token_id=ids["vision_end_token_id"], video_token_id=ids["video_token_id"],
+        # released checkpoints (written before transformers 5) store fused experts as [E, H, 2I] / [E, I, H]
+        expert_layout_hint="hf" if version[:1].isdigit() and int(version.split(".")[0]) >= 5 else "published",
+    )
 
 
 @dataclass

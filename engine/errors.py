@@ -40,6 +40,10 @@ class ImageTokenMismatchError(InvalidRequestError):
     """The number of image placeholder tokens does not match the images given."""
 
 
+class UnsupportedInputError(InvalidRequestError):
+    """The request uses an input kind the model has but Duet does not serve yet (video)."""
+
+
 class OutOfBlocksError(DuetError):
     """The KV pool cannot hold the request right now (retry later or on another worker); nothing was reserved."""
 

@@ -1,9 +1,16 @@
 """Turn user prompts into validated token sequences with their images.
 
 A prompt is a string (tokenized; each ``<image>`` expands to the image's placeholder tokens) or a dict with
-``"prompt"`` or ``"prompt_token_ids"`` (ids exactly as transformers' ``LlavaForConditionalGeneration`` takes them,
-placeholders already expanded) and optional ``"multi_modal_data": {"image": Image | list[Image]}``. Every problem
-raises a typed :class:`~engine.errors.InvalidRequestError` subclass before anything is admitted.
+``"prompt"`` or ``"prompt_token_ids"`` (ids exactly as transformers' ``LlavaForConditionalGeneration`` /
+``Qwen3VLMoeForConditionalGeneration`` take them, placeholders already expanded) and optional
+``"multi_modal_data": {"image": Image | list[Image]}``. Every problem raises a typed
+:class:`~engine.errors.InvalidRequestError` subclass before anything is admitted.
+
+Qwen3-VL checkpoints: a prompt's text may name an image as ``<image>`` (written as
+``<|vision_start|><|image_pad|><|vision_end|>``) or with the checkpoint's own markers; each ``<|image_pad|>`` becomes
+that image's visual-token count (its grid / merge², as transformers' processor expands it). With token ids, every
+run of ``<|image_pad|>`` ids must hold exactly one image's count, in order. Grids come from the images' sizes alone,
+so validation and M-RoPE positions never touch pixels.
 """
 
 from __future__ import annotations
@@ -16,12 +23,22 @@ import numpy as np
 import PIL.Image
 
 from engine.config import ModelConfig
-from engine.errors import ImageTokenMismatchError, InvalidRequestError, PromptTooLongError, TokenOutOfVocabError
+from engine.errors import (
+    CheckpointError,
+    ImageTokenMismatchError,
+    InvalidRequestError,
+    PromptTooLongError,
+    TokenOutOfVocabError,
+    UnsupportedInputError,
+)
 from engine.image_processor import ImageProcessor, image_content_hash, load_image
+from engine.mrope import rope_index
+from engine.qwen_image_processor import QwenVLImageProcessor
 from engine.sequence import MultiModalInput
 from engine.tokenizer import Tokenizer
 
 IMAGE_TOKEN = "<image>"
+QWEN_IMAGE_PAD, QWEN_VISION = "<|image_pad|>", "<|vision_start|><|image_pad|><|vision_end|>"
 _IMAGE_SOURCES = (PIL.Image.Image, bytes, bytearray, memoryview, str, os.PathLike)
 
 
@@ -31,10 +48,30 @@ class ProcessedPrompt:
     token_ids: list[int]
     mm: MultiModalInput | None
 
+    @property
+    def num_visual_tokens(self) -> int:
+        return 0 if self.mm is None else len(self.mm.positions)
+
+
+def image_processor_for(model_dir: str | os.PathLike, cfg: ModelConfig) -> ImageProcessor | QwenVLImageProcessor | None:
+    """The image processor of a checkpoint (None for a text-only model)."""
+    if cfg.vision is None:
+        return None
+    if cfg.is_qwen_vl:
+        proc, v = QwenVLImageProcessor.from_pretrained(model_dir), cfg.vision
+        got = (proc.patch_size, proc.temporal_patch_size, proc.merge_size)
+        want = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
+        if got != want:
+            raise CheckpointError(f"preprocessor_config.json (patch, temporal patch, merge) {got} != the vision "
+                                  f"tower's {want}")
+        return proc
+    return ImageProcessor.from_pretrained(model_dir, default_image_size=cfg.vision.image_size,
+                                          vision_model_type=cfg.vision.model_type)
+
 
 class InputProcessor:
-    def __init__(self, cfg: ModelConfig, tokenizer: Tokenizer | None, image_processor: ImageProcessor | None,
-                 max_model_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, tokenizer: Tokenizer | None,
+                 image_processor: ImageProcessor | QwenVLImageProcessor | None, max_model_len: int) -> None:
         self.cfg, self.tokenizer, self.image_processor = cfg, tokenizer, image_processor
         self.max_model_len = max_model_len
 
@@ -44,11 +81,12 @@ class InputProcessor:
         if not isinstance(prompt, dict):
             raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
         images = self._images(prompt.get("multi_modal_data") or {})
+        counts = self._visual_token_counts(images)
         text = prompt.get("prompt")
         if "prompt_token_ids" in prompt:
             ids = self._check_ids(prompt["prompt_token_ids"])
         elif isinstance(text, str):
-            ids = self._tokenize(text, len(images))
+            ids = self._tokenize(text, len(images)) if counts is None else self._tokenize_qwen(text, counts)
         else:
             raise InvalidRequestError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids' (list of int)")
         if not ids:
@@ -56,9 +94,12 @@ class InputProcessor:
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} (prompt plus generated tokens)")
-        return ProcessedPrompt(text if isinstance(text, str) else None, ids, self._mm(ids, images))
+        mm = self._mm(ids, images) if counts is None else self._mm_qwen(ids, images, counts)
+        return ProcessedPrompt(text if isinstance(text, str) else None, ids, mm)
 
     def _images(self, mm_data: dict) -> list:
+        if isinstance(mm_data, dict) and "video" in mm_data:
+            raise UnsupportedInputError("video inputs are not supported yet (images only)")
         if not isinstance(mm_data, dict) or set(mm_data) - {"image"}:
             raise InvalidRequestError("multi_modal_data supports only the key 'image'")
         raw = mm_data.get("image")
@@ -70,10 +111,19 @@ class InputProcessor:
             raise InvalidRequestError(f"an image must be a PIL image, bytes or a file path, got {bad[0]}")
         return [load_image(x) for x in items]
 
+    def _visual_token_counts(self, images: list) -> list[int] | None:
+        """Qwen3-VL: each image's visual-token count from its size (no pixel work); None for LLaVA."""
+        if not self.cfg.is_qwen_vl:
+            return None
+        assert isinstance(self.image_processor, QwenVLImageProcessor)
+        return [self.image_processor.num_visual_tokens(im.height, im.width) for im in images]
+
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, list | tuple) or not all(isinstance(t, int | np.integer) for t in ids):
             raise InvalidRequestError("prompt_token_ids must be a list of int")
         ids = [int(t) for t in ids]
+        if self.cfg.video_token_id is not None and self.cfg.video_token_id in ids:
+            raise UnsupportedInputError("video inputs are not supported yet (the prompt holds video placeholders)")
         vocab = self.cfg.text.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab and t != self.cfg.image_token_index]
         if bad:
@@ -91,6 +141,48 @@ class InputProcessor:
         if found != num_images:
             raise ImageTokenMismatchError(f"prompt has {found} {IMAGE_TOKEN} placeholder(s) but {num_images} image(s) were given")
         return self._check_ids(ids)
+
+    def _tokenize_qwen(self, text: str, counts: list[int]) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this checkpoint has no tokenizer.json; pass prompt_token_ids instead")
+        if "<|video_pad|>" in text:
+            raise UnsupportedInputError("video inputs are not supported yet (the prompt holds <|video_pad|>)")
+        text = text.replace(IMAGE_TOKEN, QWEN_VISION)
+        pad = int(self.cfg.image_token_index)
+        encoded = self.tokenizer.encode(text)
+        found = encoded.count(pad)
+        if found != len(counts):
+            raise ImageTokenMismatchError(
+                f"prompt has {found} image placeholder(s) ({IMAGE_TOKEN} or {QWEN_IMAGE_PAD}) but {len(counts)} "
+                f"image(s) were given")
+        ids: list[int] = []
+        it = iter(counts)
+        for t in encoded:
+            ids.extend([pad] * next(it) if t == pad else (t,))
+        return self._check_ids(ids)
+
+    def _mm_qwen(self, ids: list[int], images: list, counts: list[int]) -> MultiModalInput | None:
+        arr = np.asarray(ids, dtype=np.int64)
+        is_img = arr == self.cfg.image_token_index
+        positions = np.flatnonzero(is_img)
+        starts = np.flatnonzero(is_img & ~np.r_[False, is_img[:-1]])
+        ends = np.flatnonzero(is_img & ~np.r_[is_img[1:], False]) + 1
+        runs = (ends - starts).tolist()
+        if runs != counts:
+            raise ImageTokenMismatchError(
+                f"the prompt's image placeholder runs hold {runs} tokens but the image(s) need {counts} "
+                "(one run per image, in order, each its grid / merge^2)")
+        if not images:
+            return None
+        processor = self.image_processor
+        assert isinstance(processor, QwenVLImageProcessor)
+        grids = np.asarray([processor.grid_thw(im.height, im.width) for im in images], dtype=np.int64)
+        mrope, delta = rope_index(arr, int(self.cfg.image_token_index), grids, processor.merge_size)
+        # deferred like LLaVA's: only a worker that runs the vision tower resizes and patches the images
+        return MultiModalInput(pixel_values=lambda: processor(images)[0],
+                               image_hashes=[image_content_hash(im) for im in images],
+                               positions=positions.astype(np.int64), tokens_per_image=0, token_counts=counts,
+                               grid_thw=grids, mrope=mrope, mrope_delta=delta)
 
     def _mm(self, ids: list[int], images: list) -> MultiModalInput | None:
         if self.cfg.vision is None:

@@ -18,8 +18,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_tuning import tune_malloc
 from engine.errors import CheckpointError, InvalidRequestError, OutOfBlocksError
-from engine.image_processor import ImageProcessor
-from engine.inputs import InputProcessor
+from engine.inputs import InputProcessor, image_processor_for
 from engine.model import LlavaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -45,10 +44,7 @@ class LLMEngine:
             raise InvalidRequestError("device 'cuda' requested but CUDA is not available")
         self.model = LlavaModel.load(self.model_dir, cfg, self.dtype, self.device)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
-        self.image_processor = None
-        if cfg.vision is not None:
-            self.image_processor = ImageProcessor.from_pretrained(
-                self.model_dir, default_image_size=cfg.vision.image_size, vision_model_type=cfg.vision.model_type)
+        self.image_processor = image_processor_for(self.model_dir, cfg)
         self.eos_token_ids = list(cfg.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
         max_len, num_blocks = self._size_pool()
         self.max_model_len = max_len

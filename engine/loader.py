@@ -8,7 +8,12 @@ Layouts accepted (prefixes are normalised, then tensors fused into the runtime's
 * the published llava-hf names (also what ``save_pretrained`` writes): ``language_model.model.*``,
   ``language_model.lm_head.*``, ``vision_tower[.vision_model].*``, ``multi_modal_projector.*``; per-expert tensors
   ``experts.N.{gate,up,down}_proj.weight`` (Qwen3-MoE) or ``block_sparse_moe.experts.N.w{1,3,2}.weight`` (Mixtral);
-* a bare text model (``model.*``, ``lm_head.*``).
+* a bare text model (``model.*``, ``lm_head.*``);
+* Qwen3-VL(-MoE): ``model.language_model.*``, ``model.visual.*`` (kept under ``vision.`` with transformers' own
+  sub-module names), ``lm_head.*``; fused experts ``experts.gate_up_proj`` / ``experts.down_proj`` either as
+  transformers 5 saves them (``[E, 2I, H]`` / ``[E, H, I]``) or as the released checkpoints store them, transposed
+  (``[E, H, 2I]`` / ``[E, I, H]``): the shape tells, and where it cannot (``2I == H``) the checkpoint's
+  ``transformers_version`` does (``ModelConfig.expert_layout_hint``).
 
 The runtime fuses q/k/v into one projection and gate/up into one, so the loader concatenates them here.
 """
@@ -24,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from engine.errors import CheckpointError
+from engine.vision import VisionEncoder
 
 _PREFIXES = (
     ("model.language_model.", "text."), ("language_model.model.", "text."), ("language_model.lm_head.", "text.lm_head."),
@@ -54,6 +60,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def canonical_name(key: str) -> str | None:
     """Map a checkpoint key to ``text.*`` / ``vision.*`` runtime-side names (before fusion); None = ignore."""
+    if key.startswith("model.visual."):  # Qwen3-VL tower: the runtime keeps transformers' names
+        return "vision." + key[len("model.visual."):]
     for prefix, repl in _PREFIXES:
         if key.startswith(prefix):
             key = repl + key[len(prefix):]
@@ -116,19 +124,20 @@ def fuse(t: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor
     return t
 
 
-def load_weights(model: nn.Module, model_dir: Path, num_experts: int, dtype: torch.dtype) -> None:
+def load_weights(model: nn.Module, model_dir: Path, num_experts: int, dtype: torch.dtype,
+                 expert_layout_hint: str = "hf") -> None:
     """Fill ``model`` (a :class:`engine.model.LlavaModel`) from ``model_dir``; raise CheckpointError on any mismatch."""
     tensors = fuse(read_tensors(model_dir), num_experts)
     if "text.lm_head.weight" not in tensors and "text.embed_tokens.weight" in tensors:
         tensors["text.lm_head.weight"] = tensors["text.embed_tokens.weight"]
     expected = model.state_dict()
-    vision = getattr(model, "vision", None)
-    vision_layers = len(vision.layers) if vision is not None else 0
+    vision = model.vision
+    vision_layers = len(vision.layers) if isinstance(vision, VisionEncoder) else 0
     missing = [k for k in expected if k not in tensors]
     if missing:
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
     for name, param in expected.items():
-        src = tensors[name]
+        src = _expert_layout(name, tensors[name], param.shape, expert_layout_hint)
         if src.shape != param.shape:
             raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(src.shape)} != expected {tuple(param.shape)}")
         param.copy_(src.to(dtype))
@@ -140,3 +149,13 @@ def load_weights(model: nn.Module, model_dir: Path, num_experts: int, dtype: tor
 def _unused_vision_layer(key: str, kept: int) -> bool:
     m = re.match(r"vision\.layers\.(\d+)\.", key)
     return m is not None and int(m[1]) >= kept
+
+
+def _expert_layout(name: str, src: torch.Tensor, want: torch.Size, hint: str) -> torch.Tensor:
+    """Fused expert tensors stored transposed (the released Qwen3-VL-MoE layout) -> the runtime's ``[E, out, in]``."""
+    if src.dim() != 3 or not name.endswith(("mlp.gate_up_proj", "mlp.down_proj")):
+        return src
+    flipped = (want[0], want[2], want[1])
+    if tuple(src.shape) == flipped and (tuple(src.shape) != tuple(want) or hint == "published"):
+        return src.transpose(1, 2)
+    return src

@@ -1,4 +1,7 @@
-"""The served model: optional vision encoder + projector, and the text decoder over the paged KV pool."""
+"""The served model: optional vision encoder (+ projector), and the text decoder over the paged KV pool.
+
+One class for every family: a LLaVA tower (fixed-size images, :mod:`engine.vision`) or a Qwen3-VL tower
+(native-resolution images, DeepStack features, :mod:`engine.qwen_vision`)."""
 
 from __future__ import annotations
 
@@ -10,15 +13,21 @@ from torch import nn
 from engine.attention import AttentionMetadata, LayerKV
 from engine.config import ModelConfig
 from engine.loader import load_weights
+from engine.qwen_vision import QwenVisionTower
 from engine.text_model import TextModel
 from engine.vision import VisionEncoder
+
+# (flat token indices [M], features [M, H], DeepStack features [levels, M, H] or None)
+MultiModalRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 class LlavaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.vision = VisionEncoder(cfg) if cfg.vision is not None else None
+        self.vision: nn.Module | None = None
+        if cfg.vision is not None:
+            self.vision = QwenVisionTower(cfg.vision) if cfg.is_qwen_vl else VisionEncoder(cfg)
         self.text = TextModel(cfg.text)
 
     @classmethod
@@ -29,23 +38,34 @@ class LlavaModel(nn.Module):
         for buf in model.buffers():  # buffers are not in the checkpoint
             buf.zero_()
         with torch.no_grad():
-            load_weights(model, Path(model_dir), cfg.text.num_experts, dtype)
+            load_weights(model, Path(model_dir), cfg.text.num_experts, dtype, cfg.expert_layout_hint)
             for layer in model.text.layers:
                 layer.self_attn.finalize()
         return model.eval().requires_grad_(False)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[N, C, H, W] -> [N, tokens_per_image, hidden] in the model dtype."""
-        assert self.vision is not None, "model has no vision tower"
+        """LLaVA: [N, C, H, W] -> [N, tokens_per_image, hidden] in the model dtype."""
+        assert isinstance(self.vision, VisionEncoder), "model has no LLaVA vision tower"
         return self.vision(pixel_values)
 
+    def encode_grid_images(self, patches: torch.Tensor, grid_thw: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Qwen3-VL: patches [P, C*T*p*p] of N images, grid_thw [N, 3] -> (features [tokens, hidden], DeepStack
+        features [levels, tokens, hidden] or None), images in order, each attending only within itself."""
+        assert isinstance(self.vision, QwenVisionTower), "model has no Qwen3-VL vision tower"
+        feats, deepstack = self.vision(patches, grid_thw)
+        return feats, torch.stack(deepstack) if deepstack else None
+
     def forward(self, input_ids: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                kv_cache: list[LayerKV],
-                mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """input_ids [T] -> hidden [T, H]. ``mm`` = (flat token indices [M], features [M, H]) spliced over the
-        embeddings of image placeholder tokens."""
+                kv_cache: list[LayerKV], mm: MultiModalRows | None = None) -> torch.Tensor:
+        """input_ids [T] -> hidden [T, H]. ``mm`` = (flat token indices [M], features [M, H], DeepStack [L, M, H])
+        spliced over the embeddings of image placeholder tokens; DeepStack level i is added to those rows after
+        decoder layer i."""
         ids = input_ids.clamp(max=self.cfg.text.vocab_size - 1)
         embeds = self.text.embed_tokens(ids)
+        deepstack = None
         if mm is not None:
             embeds.index_copy_(0, mm[0], mm[1].to(embeds.dtype))
-        return self.text(embeds, rope, meta, kv_cache)
+            if mm[2] is not None:
+                deepstack = (mm[0], mm[2].to(embeds.dtype))
+        return self.text(embeds, rope, meta, kv_cache, deepstack)

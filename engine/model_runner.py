@@ -24,6 +24,7 @@ from engine.decode_mirror import DecodeKVMirror
 from engine.layers import RotaryEmbedding
 from engine.model import LlavaModel
 from engine.moe import SparseMoe
+from engine.mrope import MRotaryEmbedding, positions as mrope_positions
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 
@@ -39,7 +40,10 @@ class ModelRunner:
                      for _ in range(t.num_layers)]
         reserve = {} if mirror_tokens is None else {"initial_capacity": mirror_tokens, "initial_slots": max_num_seqs}
         self.mirror = DecodeKVMirror(t.num_layers, max_num_seqs, t.num_kv_heads, t.head_dim, dtype, device, **reserve)
-        self.rope = RotaryEmbedding(t.head_dim, t.rope_theta, max_model_len, device)
+        self.rope: RotaryEmbedding | MRotaryEmbedding = (
+            RotaryEmbedding(t.head_dim, t.rope_theta, max_model_len, device) if t.mrope_section is None
+            else MRotaryEmbedding(t.head_dim, t.rope_theta, max_model_len, t.mrope_section, device))
+        self.mrope = t.mrope_section is not None
         self.vision_cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.vision_cache_size = vision_cache_size
         self.query_window = 0  # > 0: keep the last queries of completing prompts per layer (KV importance scores)
@@ -61,7 +65,9 @@ class ModelRunner:
         seq.kv_dropped, seq.kv_lossy = None, False
 
     def encode_pending_images(self, seqs: list[Sequence]) -> None:
-        """Compute image features for sequences scheduled for the first time, reusing cached encodings."""
+        """Compute image features for sequences scheduled for the first time, reusing cached encodings. One tower
+        call per step encodes every distinct image not cached (Qwen3-VL images of any sizes together, each
+        attending only within itself)."""
         todo: dict[bytes, tuple[Sequence, int]] = {}  # one encoding per distinct image, however often it appears
         for seq in seqs:
             if seq.mm is not None and seq.mm.features is None:
@@ -69,18 +75,42 @@ class ModelRunner:
                     if h not in self.vision_cache and h not in todo:
                         todo[h] = (seq, i)
         if todo:
-            pixels = torch.stack([s.mm.pixels()[i] for s, i in todo.values()]).to(self.device)
-            feats = self.model.encode_images(pixels)
-            for h, f in zip(todo, feats, strict=True):
-                self.vision_cache[h] = f
+            self._encode(todo)
         for seq in seqs:
             if seq.mm is not None and seq.mm.features is None:
                 rows = [self.vision_cache[h] for h in seq.mm.image_hashes]
                 for h in seq.mm.image_hashes:
                     self.vision_cache.move_to_end(h)
-                seq.mm.features = torch.cat(rows, dim=0)
+                if self.model.cfg.is_qwen_vl:
+                    seq.mm.features = torch.cat([f for f, _ in rows], dim=0)
+                    seq.mm.deepstack = None if rows[0][1] is None else torch.cat([d for _, d in rows], dim=1)
+                else:
+                    seq.mm.features = torch.cat(rows, dim=0)
         while len(self.vision_cache) > self.vision_cache_size:
             self.vision_cache.popitem(last=False)
+
+    def _encode(self, todo: dict[bytes, tuple[Sequence, int]]) -> None:
+        if not self.model.cfg.is_qwen_vl:
+            pixels = torch.stack([s.mm.pixels()[i] for s, i in todo.values()]).to(self.device)
+            for h, f in zip(todo, self.model.encode_images(pixels), strict=True):
+                self.vision_cache[h] = f
+            return
+        patches = torch.cat([s.mm.pixels()[s.mm.patch_rows(i)] for s, i in todo.values()]).to(self.device)
+        grids = torch.from_numpy(np.stack([s.mm.grid_thw[i] for s, i in todo.values()]))
+        feats, deepstack = self.model.encode_grid_images(patches, grids)
+        start = 0
+        for h, (s, i) in todo.items():
+            r = s.mm.image_rows(i)
+            n = r.stop - r.start
+            self.vision_cache[h] = (feats[start:start + n], None if deepstack is None else deepstack[:, start:start + n])
+            start += n
+
+    def _positions(self, seq: Sequence, start: int, n: int) -> np.ndarray:
+        """Rotary positions of sequence indices [start, start + n): [n], or [3, n] under M-RoPE."""
+        if not self.mrope:
+            return np.arange(start, start + n)
+        mm = seq.mm
+        return mrope_positions(None if mm is None else mm.mrope, 0 if mm is None else mm.mrope_delta, start, n)
 
     def _slots(self, seq: Sequence, start: int, n: int) -> np.ndarray:
         pos = np.arange(start, start + n)
@@ -96,13 +126,14 @@ class ModelRunner:
         spans: list[PrefillSpan] = []
         mm_idx: list[np.ndarray] = []
         mm_rows: list[torch.Tensor] = []
+        ds_rows: list[torch.Tensor] = []  # DeepStack features of the same rows, [levels, rows, hidden]
         logit_rows: list[int] = []
         dev = self.device
         for s in sched.prefills:
             seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
             start = len(ids)
             ids.extend(seq.token_ids[c:c + n])
-            positions.append(np.arange(c, c + n))
+            positions.append(self._positions(seq, c, n))
             slots.append(self._slots(seq, c, n))
             table = None if c == 0 else torch.tensor(seq.block_table[: -(-(c + n) // self.block_size)], device=dev)
             mask = None if c == 0 else causal_mask_with_prefix(n, c + n, dev)
@@ -113,6 +144,8 @@ class ModelRunner:
                 if hi > lo:
                     mm_idx.append(seq.mm.positions[lo:hi] - c + start)
                     mm_rows.append(seq.mm.features[lo:hi])
+                    if seq.mm.deepstack is not None:
+                        ds_rows.append(seq.mm.deepstack[:, lo:hi])
             if s.samples:
                 logit_rows.append(start + n - 1)
         num_prefill = len(ids)
@@ -140,7 +173,13 @@ class ModelRunner:
                     if r < len(seq.mm.positions) and seq.mm.positions[r] == c:
                         mm_idx.append(np.array([num_prefill + j]))
                         mm_rows.append(seq.mm.features[r:r + 1])
-            positions.append(lens - 1)
+                        if seq.mm.deepstack is not None:
+                            ds_rows.append(seq.mm.deepstack[:, r:r + 1])
+            if self.mrope:
+                positions.append(np.concatenate([self._positions(s.seq, s.seq.num_computed_tokens, 1)
+                                                 for s in decodes], axis=1))
+            else:
+                positions.append(lens - 1)
             max_len = int(lens.max())
             lens_t = torch.from_numpy(lens).to(dev)
             visible = (torch.arange(max_len, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)).view(b, 1, 1, max_len)
@@ -156,9 +195,11 @@ class ModelRunner:
             self.captured_queries = meta.captured = {}
         mm = None
         if mm_idx:
-            mm = (torch.from_numpy(np.concatenate(mm_idx)).to(dev), torch.cat(mm_rows, dim=0))
+            assert not ds_rows or len(ds_rows) == len(mm_rows), "every image row has DeepStack features or none does"
+            mm = (torch.from_numpy(np.concatenate(mm_idx)).to(dev), torch.cat(mm_rows, dim=0),
+                  torch.cat(ds_rows, dim=1) if ds_rows else None)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos = torch.from_numpy(np.concatenate(positions)).to(dev)
+        pos = torch.from_numpy(np.concatenate(positions, axis=-1)).to(dev)
         return input_ids, pos, meta, mm, logit_rows, [s for s in order if s.samples]
 
     @torch.inference_mode()

@@ -28,7 +28,7 @@ class SparseMoe(nn.Module):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts, self.top_k = e, cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.weights_in_model_dtype = cfg.model_type == "qwen3_moe"
+        self.weights_in_model_dtype = cfg.model_type in ("qwen3_moe", "qwen3_vl_moe_text")
         self.gate = nn.Linear(h, e, bias=False)
         # Output-major, as transformers stores them: [E, 2I, H] (gate rows, then up rows) and [E, H, I]. Grouped GEMM
         # takes transposed views; measured faster than input-major copies for both decode (few rows per expert)

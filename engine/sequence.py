@@ -33,25 +33,52 @@ class MultiModalInput:
 
     ``pixel_values`` may be given as a function that computes them: :meth:`pixels` calls it once, when the vision
     tower first needs them. A worker that receives a prompt's KV from another never does (unless a preemption makes
-    it recompute the prompt), so it never pays for resizing and normalising the images."""
+    it recompute the prompt), so it never pays for resizing and normalising the images.
 
-    pixel_values: torch.Tensor | Callable[[], torch.Tensor]  # [N, C, H, W], or what computes them
+    Qwen3-VL images (``grid_thw`` set) each have their own token count (``token_counts``); ``pixel_values`` are then
+    every image's patches concatenated ``[sum t*h*w, C*T*p*p]``, ``mrope`` holds the prompt's 3-D M-RoPE positions
+    and ``mrope_delta`` the offset of generated positions (:mod:`engine.mrope`); ``deepstack`` the DeepStack
+    features of the image tokens ``[levels, N tokens, hidden]``, computed with ``features``."""
+
+    pixel_values: torch.Tensor | Callable[[], torch.Tensor]  # [N, C, H, W] / [patches, dim], or what computes them
     image_hashes: list[bytes]
-    positions: np.ndarray  # [N * tokens_per_image] int64, sorted
-    tokens_per_image: int
-    features: torch.Tensor | None = None  # [N * tokens_per_image, hidden]
+    positions: np.ndarray  # [sum token_counts] int64, sorted
+    tokens_per_image: int  # LLaVA: every image's count; Qwen3-VL: 0 (see token_counts)
+    features: torch.Tensor | None = None  # [sum token_counts, hidden]
+    token_counts: list[int] | None = None  # placeholder tokens per image (default: tokens_per_image each)
+    grid_thw: np.ndarray | None = None  # [N, 3] int64 patch grid per image (Qwen3-VL)
+    mrope: np.ndarray | None = None  # [3, prompt length] int64 M-RoPE positions (Qwen3-VL)
+    mrope_delta: int = 0
+    deepstack: torch.Tensor | None = None  # [levels, sum token_counts, hidden]
+
+    def __post_init__(self) -> None:
+        counts = self.token_counts or [self.tokens_per_image] * len(self.image_hashes)
+        self.token_counts = list(counts)
+        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # image i: rows [s_i, s_i+1)
 
     def pixels(self) -> torch.Tensor:
         if callable(self.pixel_values):
             self.pixel_values = self.pixel_values()
         return self.pixel_values
 
+    def image_rows(self, i: int) -> slice:
+        """Rows of ``positions`` / ``features`` that belong to image ``i``."""
+        return slice(int(self._starts[i]), int(self._starts[i + 1]))
+
+    def patch_rows(self, i: int) -> slice:
+        """Qwen3-VL: rows of the concatenated patches that belong to image ``i``."""
+        assert self.grid_thw is not None
+        per = self.grid_thw.prod(axis=1)
+        start = int(per[:i].sum())
+        return slice(start, start + int(per[i]))
+
     def block_extra_key(self, start: int, end: int) -> bytes:
         """Hash material for image tokens within prompt positions [start, end)."""
         lo, hi = np.searchsorted(self.positions, [start, end])
         if lo == hi:
             return b""
-        first, last = int(lo) // self.tokens_per_image, (int(hi) - 1) // self.tokens_per_image
+        first = int(np.searchsorted(self._starts, lo, side="right")) - 1
+        last = int(np.searchsorted(self._starts, hi - 1, side="right")) - 1
         return b"".join(self.image_hashes[first:last + 1]) + int(lo).to_bytes(8, "little")
 
 

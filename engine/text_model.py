@@ -1,4 +1,4 @@
-"""Decoder-only text model (Qwen3-MoE, Mixtral, Qwen3, Llama, Mistral) over the paged KV pool.
+"""Decoder-only text model (Qwen3-MoE, Mixtral, Qwen3, Llama, Mistral, Qwen3-VL text) over the paged KV pool.
 
 Input is a flat batch of tokens (see :mod:`engine.attention`); hidden states are ``[T, hidden]``.
 """
@@ -79,10 +79,13 @@ class TextModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, embeds: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                kv_cache: list[LayerKV]) -> torch.Tensor:
+                kv_cache: list[LayerKV], deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``deepstack`` = (token rows [M], features [L, M, H]): level i is added to those rows after layer i."""
         x = embeds
         for i, (layer, kv) in enumerate(zip(self.layers, kv_cache, strict=True)):
             x = layer(x, rope, meta, kv)
+            if deepstack is not None and i < deepstack[1].shape[0]:
+                x = x.index_add(0, deepstack[0], deepstack[1][i])
             if meta.on_layer is not None:
                 meta.on_layer(i)
         return x

@@ -64,7 +64,9 @@ def test_equal_to_all_resident_and_counters_add_up(model_dir, reference, policy,
         tiers.close()
     for out, (tokens, logits) in zip(outs, reference, strict=True):
         assert out.outputs[0].token_ids == tokens
-        assert all(torch.equal(a, b) for a, b in zip(out.outputs[0].logits, logits, strict=True))
+        # the tiers run the same experts from other tensors (slot order, strides): equal to rounding on any CPU
+        for a, b in zip(out.outputs[0].logits, logits, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     assert_no_leaked_blocks(llm)
     tiers.res.check()
     assert tiers.capacity == round(resident * 3 * 8) and tiers.dev_gu.shape[0] == tiers.capacity + 8

@@ -1,0 +1,282 @@
+"""Qwen3-VL vision tower (dense and MoE checkpoints share it), with the patch merger and the DeepStack mergers.
+
+``QwenVisionTower.forward(pixel_values, grid_thw) -> (merged, deepstack)`` reproduces transformers'
+``Qwen3VLMoeVisionModel`` (``pooler_output`` and ``deepstack_features``):
+
+1. patch embedding: the reference's Conv3d has kernel = stride = (T, p, p) over already-flattened patches, so it is
+   one GEMM over ``pixel_values [P, C*T*p*p]`` with the 5-D weight viewed as ``[hidden, C*T*p*p]``;
+2. learned position table (``side x side``) bilinearly resampled (align_corners) to each image's ``(h, w)`` grid;
+3. 2-D axial RoPE: head_dim/4 frequencies per axis, laid out ``[h, w, h, w]``;
+4. ``depth`` pre-norm blocks; attention never crosses a frame (the reference's ``cu_seqlens`` has one segment per
+   frame, ``t`` per entry of ``grid_thw``), so several images in one call are encoded exactly as if alone;
+5. ``merger`` (LayerNorm per patch, then merge² patches concatenated) and one ``deepstack_merger_list`` entry
+   (concatenate, then LayerNorm) per block in ``deepstack_visual_indexes``.
+
+Patches arrive in merge-window order (the image processor emits each ``merge x merge`` window contiguously), so
+tables 2 and 3 are built in that order and merging is a plain ``view``. Parameter names equal transformers', so a
+checkpoint's ``model.visual.X`` loads as ``X``; the tower has no buffers (RoPE frequencies are rebuilt per call).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import CheckpointError, UnsupportedModelError
+from engine.layers import ACTIVATIONS, apply_rotary
+
+# Reference state_dict keys this tower deliberately has no parameter for (none: the rotary inv_freq is non-persistent).
+IGNORED_KEYS: tuple[str, ...] = ()
+_REQUIRED = ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "out_hidden_size",
+             "num_position_embeddings", "deepstack_visual_indexes")
+_INT_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "temporal_patch_size",
+             "spatial_merge_size", "in_channels", "out_hidden_size", "num_position_embeddings")
+_DEFAULTS = {"temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3}  # transformers' defaults
+_ALIASES = {"depth": "num_hidden_layers", "num_heads": "num_attention_heads"}  # transformers' attribute_map
+
+
+@dataclass(frozen=True)
+class QwenVisionConfig:
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    deepstack_visual_indexes: tuple[int, ...]
+    hidden_act: str
+    layer_norm_eps: float = 1e-6  # hard-coded in the reference, not a config.json key
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"unsupported vision activation {self.hidden_act!r} "
+                                        f"(supported: {', '.join(ACTIVATIONS)})")
+        if bad := [n for n in _INT_KEYS if getattr(self, n) <= 0]:
+            raise CheckpointError(f"vision config sizes must be positive: {', '.join(bad)}")
+        if self.hidden_size % self.num_heads or self.head_dim % 4:
+            raise CheckpointError(f"vision hidden_size {self.hidden_size} / num_heads {self.num_heads} must give a "
+                                  "head_dim divisible by 4 (2-D rotary)")
+        if self.position_side ** 2 != self.num_position_embeddings:
+            raise CheckpointError(f"vision num_position_embeddings {self.num_position_embeddings} is not a square")
+        idx = self.deepstack_visual_indexes
+        if len(set(idx)) != len(idx) or any(not 0 <= i < self.depth for i in idx):
+            raise CheckpointError(f"vision deepstack_visual_indexes {list(idx)} must be distinct blocks of "
+                                  f"0..{self.depth - 1}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QwenVisionConfig:
+        """Parse a checkpoint's ``config.json`` ``vision_config``; defaults are transformers' for optional keys."""
+        d = {**{k: d[a] for k, a in _ALIASES.items() if a in d}, **d}
+        if missing := [k for k in _REQUIRED if k not in d]:
+            raise CheckpointError(f"vision config is missing {', '.join(map(repr, missing))}")
+        rope = d.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise UnsupportedModelError(f"unsupported vision rope_type {rope['rope_type']!r} (only 'axial')")
+        try:
+            ints = {k: _as_int(d.get(k, _DEFAULTS.get(k)), k) for k in _INT_KEYS}
+            deepstack = tuple(_as_int(i, "deepstack_visual_indexes") for i in d["deepstack_visual_indexes"])
+            theta = float(rope.get("rope_theta", 10000.0))
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"bad vision config value: {e}") from None
+        act = str(d.get("hidden_act", "gelu_pytorch_tanh"))
+        return cls(**ints, deepstack_visual_indexes=deepstack, hidden_act=act, rope_theta=theta)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def position_side(self) -> int:
+        return math.isqrt(self.num_position_embeddings)
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    def tokens_for_grid(self, t: int, h: int, w: int) -> int:
+        """Merged features (= LLM placeholder tokens) for one ``grid_thw`` entry."""
+        return t * h * w // self.spatial_merge_size ** 2
+
+
+def _as_int(x: object, key: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int | float) or int(x) != x:
+        raise ValueError(f"{key} must be an integer, got {x!r}")
+    return int(x)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: QwenVisionConfig) -> None:
+        super().__init__()
+        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        # A Conv3d only so the weight keeps the checkpoint's 5-D shape; forward is the equivalent GEMM.
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.proj.weight.flatten(1), self.proj.bias)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: QwenVisionConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                segments: list[tuple[int, int, int]]) -> torch.Tensor:
+        s = x.shape[0]
+        q, k, v = self.qkv(x).view(s, 3, self.num_heads, self.head_dim).unbind(1)
+        # As the reference: rotate in float32, cast back.
+        q = apply_rotary(q.float(), cos, sin_signed).to(x.dtype)
+        k = apply_rotary(k.float(), cos, sin_signed).to(x.dtype)
+        out = []
+        for start, frames, n in segments:  # `frames` frames of `n` tokens each, attended frame by frame
+            q_, k_, v_ = (y[start:start + frames * n].view(frames, n, self.num_heads, self.head_dim).transpose(1, 2)
+                          for y in (q, k, v))
+            out.append(F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2).reshape(frames * n, -1))
+        return self.proj(out[0] if len(out) == 1 else torch.cat(out))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: QwenVisionConfig) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: QwenVisionConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                segments: list[tuple[int, int, int]]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin_signed, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """merge² neighbouring patches -> one LLM token. ``postshuffle`` (DeepStack) normalises after concatenating."""
+
+    def __init__(self, cfg: QwenVisionConfig, postshuffle: bool) -> None:
+        super().__init__()
+        self.dim = cfg.hidden_size * cfg.spatial_merge_size ** 2
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(self.dim if postshuffle else cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.linear_fc1 = nn.Linear(self.dim, self.dim)
+        self.linear_fc2 = nn.Linear(self.dim, cfg.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.dim)) if self.postshuffle else self.norm(x).view(-1, self.dim)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))  # exact GELU whatever hidden_act is, as the reference
+
+
+class QwenVisionTower(nn.Module):
+    def __init__(self, cfg: QwenVisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, postshuffle=False)
+        self.deepstack_merger_list = nn.ModuleList(PatchMerger(cfg, postshuffle=True)
+                                                   for _ in cfg.deepstack_visual_indexes)
+        self._deepstack_at = {b: i for i, b in enumerate(cfg.deepstack_visual_indexes)}
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """pixel_values [P, C*T*p*p] (any float dtype; cast to the weights'), grid_thw [N, 3] int (t, h, w) with
+        P = sum t*h*w and h, w multiples of merge -> (merged [sum t*h*w/merge², out_hidden], one tensor of that
+        shape per DeepStack level, in block order as the reference). Rows follow the images' order."""
+        w = self.patch_embed.proj.weight
+        grids = [tuple(map(int, g)) for g in grid_thw.tolist()]
+        self._check_inputs(pixel_values, grids)
+        x = self.patch_embed(pixel_values.to(dtype=w.dtype, device=w.device))
+        pos, cos, sin_signed = self._position_tables(grids, w.device)
+        x = x + pos.to(x.dtype)
+        segments = _segments(grids)
+        deepstack = []
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, cos, sin_signed, segments)
+            if (j := self._deepstack_at.get(i)) is not None:
+                deepstack.append(self.deepstack_merger_list[j](x))
+        return self.merger(x), deepstack
+
+    def _check_inputs(self, pixel_values: torch.Tensor, grids: list[tuple[int, ...]]) -> None:
+        m = self.cfg.spatial_merge_size
+        if not grids or any(len(g) != 3 or min(g) <= 0 or g[1] % m or g[2] % m for g in grids):
+            raise ValueError(f"grid_thw must be [N >= 1, 3] positive with h, w multiples of {m}, got {grids}")
+        want = (sum(t * h * w for t, h, w in grids), self.cfg.patch_dim)
+        if tuple(pixel_values.shape) != want:
+            raise ValueError(f"pixel_values shape {tuple(pixel_values.shape)} does not match grid_thw ({want})")
+
+    def _position_tables(self, grids: list[tuple[int, ...]], device: torch.device
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Learned positions [P, hidden] (float32) and RoPE cos / signed sin [P, 1, head_dim], merge-window order."""
+        d = self.cfg.head_dim // 2  # per-axis rotary width; the reference's "spatial_dim"
+        inv_freq = (1.0 / (self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))).to(device)
+        table = self.pos_embed.weight.float().view(self.cfg.position_side, self.cfg.position_side, -1)
+        per_grid: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        parts = []
+        for t, h, w in grids:
+            if (h, w) not in per_grid:
+                rows, cols = _merge_order_coords(h, w, self.cfg.spatial_merge_size, device)
+                pos = _interpolate(table, h, w)[rows, cols]
+                ang = torch.cat([rows[:, None].float() * inv_freq, cols[:, None].float() * inv_freq], dim=-1)
+                cos, sin = ang.cos(), ang.sin()
+                per_grid[(h, w)] = (pos, torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
+            parts.append([p.repeat(t, 1) if t > 1 else p for p in per_grid[(h, w)]])
+        pos, cos, sin_signed = (torch.cat(c) if len(c) > 1 else c[0] for c in zip(*parts))
+        return pos, cos.unsqueeze(1), sin_signed.unsqueeze(1)
+
+
+def _merge_order_coords(h: int, w: int, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) of each of the h*w patches, ordered window by window (row-major), row-major inside a window."""
+    rows = torch.arange(h, device=device).view(h // m, 1, m, 1).expand(h // m, w // m, m, m).flatten()
+    cols = torch.arange(w, device=device).view(1, w // m, 1, m).expand(h // m, w // m, m, m).flatten()
+    return rows, cols
+
+
+def _axis_taps(size: int, side: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bilinear, align_corners=True: source taps floor / floor+1 (clamped) and the weight of the second."""
+    src = torch.arange(size, dtype=torch.float32, device=device) * (side - 1) / max(size - 1, 1)
+    floor = src.floor()
+    lo = floor.long()
+    return lo, (lo + 1).clamp(max=side - 1), src - floor
+
+
+def _interpolate(table: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """[side, side, C] -> [h, w, C], separably (rows then columns): the reference's 4-tap weighted sum regrouped."""
+    side = table.shape[0]
+    lo, hi, f = _axis_taps(h, side, table.device)
+    table = table[lo] * (1 - f)[:, None, None] + table[hi] * f[:, None, None]
+    lo, hi, f = _axis_taps(w, side, table.device)
+    return table[:, lo] * (1 - f)[None, :, None] + table[:, hi] * f[None, :, None]
+
+
+def _segments(grids: list[tuple[int, ...]]) -> list[tuple[int, int, int]]:
+    """Attention segments (start token, frames, tokens per frame); consecutive entries with equal h*w are batched."""
+    segs: list[tuple[int, int, int]] = []
+    start = 0
+    for t, h, w in grids:
+        if segs and segs[-1][2] == h * w:
+            segs[-1] = (segs[-1][0], segs[-1][1] + t, h * w)
+        else:
+            segs.append((start, t, h * w))
+        start += t * h * w
+    return segs
