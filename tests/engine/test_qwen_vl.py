@@ -1,0 +1,241 @@
+"""Qwen3-VL(-MoE) in the local engine against transformers' own ``generate`` on tiny random checkpoints.
+
+Greedy tokens must be identical and every step's logits within 1e-4 (float32): images of sizes that are not
+multiples of the patch grid (so each has its own visual-token count), two images of different sizes in one prompt,
+text only, a batch of different images, a chunked prefill whose chunk boundary falls inside an image, a prefix-cache
+hit on a repeated image, both key layouts (single file and sharded), the dense family, tied embeddings and
+``mlp_only_layers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import ModelConfig
+from engine.errors import ImageTokenMismatchError, InvalidRequestError, UnsupportedInputError
+from engine.qwen_checkpoints import QwenTinySpec, load_qwen_reference, make_tiny_qwen_checkpoint
+from engine.qwen_image_processor import QwenVLImageProcessor
+from tests.conftest import assert_no_leaked_blocks
+
+SPEC = QwenTinySpec()
+IDS = SPEC.special_token_ids
+PAD, START, END = SPEC.image_token_id, IDS["<|vision_start|>"], IDS["<|vision_end|>"]
+LOGIT_ATOL = 1e-4
+ENGINE = dict(dtype="float32", num_kv_blocks=96, block_size=4, max_num_seqs=8, max_model_len=256)
+
+
+def image(seed: int, size: tuple[int, int]) -> PIL.Image.Image:
+    rng = np.random.default_rng(seed)
+    return PIL.Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+SIZES = {"100x61": (100, 61), "47x133": (47, 133), "33x47": (33, 47), "150x170": (150, 170)}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    cache: dict[str, Path] = {}
+
+    def make(name: str, **overrides) -> Path:
+        if name not in cache:
+            cache[name] = make_tiny_qwen_checkpoint(tmp_path_factory.mktemp(f"qwen-{name}") / "ckpt",
+                                                    dataclasses.replace(SPEC, **overrides))
+        return cache[name]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def hf_dir(ckpts) -> Path:
+    return ckpts("hf")
+
+
+@pytest.fixture(scope="module")
+def reference(hf_dir):
+    return load_qwen_reference(hf_dir)
+
+
+def build_prompt(images: list[PIL.Image.Image], model_dir: Path, seed: int = 0, text: int = 3) -> list[int]:
+    """``<|im_start|> text (<|vision_start|> pad*n <|vision_end|> text)* <|im_end|>`` as transformers' processor
+    expands it."""
+    proc = QwenVLImageProcessor.from_pretrained(model_dir)
+    rng = np.random.default_rng(seed)
+    words = lambda: rng.integers(0, SPEC.vocab_size - len(IDS), text).tolist()  # noqa: E731
+    ids = [IDS["<|im_start|>"], *words()]
+    for im in images:
+        ids += [START] + [PAD] * proc.num_visual_tokens(im.height, im.width) + [END] + words()
+    return ids + [IDS["<|im_end|>"]]
+
+
+def reference_generate(model, model_dir: Path, ids: list[int], images: list[PIL.Image.Image], n: int):
+    inp = torch.tensor([ids])
+    kwargs = {}
+    if images:
+        pv, grid = QwenVLImageProcessor.from_pretrained(model_dir)(images)
+        kwargs = dict(pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=(inp == PAD).int())
+    with torch.no_grad():
+        # an eos id no token has: the reference runs n steps, as the engine's ignore_eos
+        out = model.generate(input_ids=inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, eos_token_id=SPEC.vocab_size + 7,
+                             pad_token_id=IDS["<|endoftext|>"], **kwargs)
+    return out.sequences[0, len(ids):].tolist(), [x[0] for x in out.logits]
+
+
+def greedy(n: int = 6) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, return_logits=True)
+
+
+def assert_matches(out, ref_tokens: list[int], ref_logits: list[torch.Tensor]) -> None:
+    got = out.outputs[0]
+    assert got.token_ids == ref_tokens
+    for step, (a, b) in enumerate(zip(got.logits, ref_logits, strict=True)):
+        torch.testing.assert_close(a, b.float(), rtol=0, atol=LOGIT_ATOL, msg=f"step {step}")
+
+
+def request(ids: list[int], images: list[PIL.Image.Image]) -> dict:
+    return {"prompt_token_ids": ids, **({"multi_modal_data": {"image": images}} if images else {})}
+
+
+CASES = {
+    "one-100x61": [("100x61", 0)],
+    "one-150x170": [("150x170", 1)],
+    "two-sizes": [("47x133", 2), ("100x61", 3)],
+    "text-only": [],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generate_matches_transformers(hf_dir, reference, case):
+    images = [image(seed, SIZES[name]) for name, seed in CASES[case]]
+    ids = build_prompt(images, hf_dir, seed=len(case))
+    llm = LLM(hf_dir, **ENGINE)
+    assert_matches(llm.generate([request(ids, images)], greedy())[0], *reference_generate(reference, hf_dir, ids,
+                                                                                          images, 6))
+    assert_no_leaked_blocks(llm)
+
+
+def test_visual_tokens_follow_the_image(hf_dir):
+    proc = QwenVLImageProcessor.from_pretrained(hf_dir)
+    counts = {name: proc.num_visual_tokens(*size) for name, size in SIZES.items()}
+    assert len(set(counts.values())) == len(counts), counts  # every size its own count
+    llm = LLM(hf_dir, **ENGINE)
+    for name, size in SIZES.items():
+        p = llm.engine.inputs.process(request(build_prompt([image(0, size)], hf_dir), [image(0, size)]))
+        assert p.num_visual_tokens == counts[name]
+        assert p.mm.mrope.shape == (3, len(p.token_ids))
+        assert p.mm.mrope_delta == int(p.mm.mrope.max()) + 1 - len(p.token_ids) <= 0
+        t, h, w = p.mm.grid_thw[0] // (1, 2, 2)
+        assert p.mm.mrope_delta == max(h, w) - t * h * w  # an image advances positions by its longer side
+
+
+def test_batch_of_different_images(hf_dir, reference):
+    images = [[image(10 + i, size)] for i, size in enumerate(SIZES.values())] + [[]]
+    prompts = [build_prompt(ims, hf_dir, seed=i) for i, ims in enumerate(images)]
+    llm = LLM(hf_dir, **ENGINE)
+    outs = llm.generate([request(p, ims) for p, ims in zip(prompts, images, strict=True)], greedy(5))
+    for out, p, ims in zip(outs, prompts, images, strict=True):
+        assert_matches(out, *reference_generate(reference, hf_dir, p, ims, 5))
+    assert_no_leaked_blocks(llm)
+
+
+def test_chunk_boundary_inside_an_image(hf_dir, reference):
+    images = [image(4, SIZES["150x170"]), image(5, SIZES["47x133"])]
+    ids = build_prompt(images, hf_dir)
+    first_image = ids.index(PAD)
+    budget = first_image + 7  # the first chunk ends 7 tokens into the first image
+    assert ids[budget - 1] == PAD and ids[budget] == PAD
+    llm = LLM(hf_dir, **{**ENGINE, "max_num_batched_tokens": budget})
+    out = llm.generate([request(ids, images)], greedy())[0]
+    assert_matches(out, *reference_generate(reference, hf_dir, ids, images, 6))
+    assert_no_leaked_blocks(llm)
+
+
+def test_prefix_cache_hit_on_a_repeated_image(hf_dir, reference):
+    im = image(6, SIZES["150x170"])
+    first = build_prompt([im], hf_dir, seed=1)
+    second = first[:-1] + [7, 8, 9, IDS["<|im_end|>"]]  # same image and text before it, new text after
+    llm = LLM(hf_dir, **ENGINE)
+    llm.generate([request(first, [im])], greedy(2))
+    out = llm.generate([request(second, [im])], greedy())[0]
+    assert out.num_cached_tokens >= first.index(END), "the image's blocks come from the prefix cache"
+    assert_matches(out, *reference_generate(reference, hf_dir, second, [im], 6))
+    assert_no_leaked_blocks(llm)
+
+
+@pytest.mark.parametrize("layout,sharded", [("hf", True), ("published", False), ("published", True)],
+                         ids=["hf-sharded", "published", "published-sharded"])
+def test_layouts_give_the_same_model(ckpts, hf_dir, reference, layout, sharded):
+    path = ckpts(f"{layout}-{sharded}", layout=layout, sharded=sharded)
+    if sharded:
+        assert (path / "model.safetensors.index.json").is_file()
+    images = [image(7, SIZES["100x61"])]
+    ids = build_prompt(images, path)
+    llm = LLM(path, **ENGINE)
+    assert_matches(llm.generate([request(ids, images)], greedy())[0],
+                   *reference_generate(reference, hf_dir, ids, images, 6))
+    assert_no_leaked_blocks(llm)
+
+
+@pytest.mark.parametrize("variant", ["dense", "tied", "mlp-only", "sparse-step"])
+def test_family_variants(ckpts, variant):
+    overrides = {"dense": dict(text="qwen3_vl"), "tied": dict(tie_word_embeddings=True),
+                 "mlp-only": dict(mlp_only_layers=(1,)), "sparse-step": dict(decoder_sparse_step=2)}[variant]
+    path = ckpts(variant, **overrides)
+    cfg = ModelConfig.from_pretrained(path)
+    if variant == "dense":
+        assert not cfg.text.is_moe
+    elif variant != "tied":
+        assert cfg.text.moe_layers == ((True, False, True) if variant == "mlp-only" else (False, True, False))
+    images = [image(8, SIZES["47x133"]), image(9, SIZES["33x47"])]
+    ids = build_prompt(images, path)
+    llm = LLM(path, **ENGINE)
+    assert_matches(llm.generate([request(ids, images)], greedy())[0],
+                   *reference_generate(load_qwen_reference(path), path, ids, images, 6))
+    assert_no_leaked_blocks(llm)
+
+
+def test_text_prompt_with_image_placeholder_expands_like_the_processor(hf_dir):
+    im = image(11, SIZES["100x61"])
+    llm = LLM(hf_dir, **ENGINE)
+    tok = llm.engine.tokenizer
+    text = "<|im_start|>user\nba<image>ka<|im_end|>\n<|im_start|>assistant\n"
+    got = llm.engine.inputs.process({"prompt": text, "multi_modal_data": {"image": [im]}}).token_ids
+    n = QwenVLImageProcessor.from_pretrained(hf_dir).num_visual_tokens(im.height, im.width)
+    expanded = text.replace("<image>", "<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>")
+    assert got == tok.encode(expanded)
+    native = text.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+    assert llm.engine.inputs.process({"prompt": native, "multi_modal_data": {"image": [im]}}).token_ids == got
+
+
+def test_bad_input_is_refused_and_changes_nothing(hf_dir):
+    im = image(12, SIZES["100x61"])
+    llm = LLM(hf_dir, **ENGINE)
+    ids = build_prompt([im], hf_dir)
+    short = list(ids)
+    short.remove(PAD)  # the run no longer matches the image's grid
+    split = list(ids)
+    split[ids.index(PAD) + 2] = 5  # one image's tokens in two runs
+    cases = [
+        (ImageTokenMismatchError, request(short, [im])),
+        (ImageTokenMismatchError, request(split, [im])),
+        (ImageTokenMismatchError, request(ids, [im, im])),
+        (ImageTokenMismatchError, request(ids, [])),
+        (UnsupportedInputError, request(ids[:3] + [IDS["<|video_pad|>"]] + ids[3:], [im])),
+        (UnsupportedInputError, {"prompt_token_ids": ids, "multi_modal_data": {"video": [im]}}),
+        (InvalidRequestError, request(ids, [image(0, (2, 500))])),  # aspect ratio over 200
+        (ImageTokenMismatchError, {"prompt": "<image><image>hi", "multi_modal_data": {"image": [im]}}),
+    ]
+    for i, (err, prompt) in enumerate(cases):
+        with pytest.raises(err):
+            llm.engine.add_request(f"bad-{i}", prompt, greedy())
+    assert_no_leaked_blocks(llm)
+    out = llm.generate([request(ids, [im])], greedy(2))[0]  # the engine still serves
+    assert len(out.outputs[0].token_ids) == 2
+    assert_no_leaked_blocks(llm)
