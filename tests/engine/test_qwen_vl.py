@@ -10,6 +10,7 @@ hit on a repeated image, both key layouts (single file and sharded), the dense f
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,14 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
-from engine.errors import ImageTokenMismatchError, InvalidRequestError, UnsupportedInputError
+from engine.config import ModelConfig, parse_config
+from engine.errors import (
+    CheckpointError,
+    ImageTokenMismatchError,
+    InvalidRequestError,
+    UnsupportedInputError,
+    UnsupportedModelError,
+)
 from engine.qwen_checkpoints import QwenTinySpec, load_qwen_reference, make_tiny_qwen_checkpoint
 from engine.qwen_image_processor import QwenVLImageProcessor
 from tests.conftest import assert_no_leaked_blocks
@@ -239,3 +246,60 @@ def test_bad_input_is_refused_and_changes_nothing(hf_dir):
     out = llm.generate([request(ids, [im])], greedy(2))[0]  # the engine still serves
     assert len(out.outputs[0].token_ids) == 2
     assert_no_leaked_blocks(llm)
+
+
+def test_vision_cache_encodes_a_repeated_image_once(hf_dir):
+    im = image(13, SIZES["100x61"])
+    llm = LLM(hf_dir, **ENGINE)
+    calls = []
+    tower = llm.engine.model.vision
+    hook = tower.register_forward_hook(lambda mod, args, out: calls.append(int(args[1].shape[0])))
+    try:
+        ids = build_prompt([im, im], hf_dir)
+        first = llm.generate([request(ids, [im, im])], greedy(2))[0]
+        again = llm.generate([request(build_prompt([im], hf_dir, seed=5), [im])], greedy(2))[0]
+    finally:
+        hook.remove()
+    assert calls == [1], "one encoding for the image, however often it appears"
+    assert len(first.outputs[0].token_ids) == len(again.outputs[0].token_ids) == 2
+    assert_no_leaked_blocks(llm)
+
+
+def _config(**changes) -> dict:
+    raw = json.loads((Path(__file__).parent / "data" / "qwen3_vl_moe_30b_config.json").read_text())
+    for path, value in changes.items():
+        node = raw
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node[p]
+        if value is _DELETE:
+            del node[leaf]
+        else:
+            node[leaf] = value
+    return raw
+
+
+_DELETE = object()
+
+
+def test_released_config_parses():
+    cfg = parse_config(_config())
+    assert cfg.is_qwen_vl and cfg.text.num_experts == 128 and cfg.text.top_k == 8
+    assert cfg.text.mrope_section == (24, 20, 20) and cfg.num_deepstack_levels == 3
+    assert cfg.expert_layout_hint == "published" and cfg.image_token_index == 151655
+    assert all(cfg.text.moe_layers) and not cfg.text.tie_word_embeddings
+
+
+@pytest.mark.parametrize("changes,err", [
+    ({"text_config.rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+     UnsupportedModelError),
+    ({"text_config.rope_scaling": {"mrope_section": [24, 20, 20], "mrope_interleaved": False}}, UnsupportedModelError),
+    ({"text_config.rope_scaling": {"mrope_section": [24, 20, 10], "mrope_interleaved": True}}, UnsupportedModelError),
+    ({"image_token_id": None}, CheckpointError),
+    ({"vision_config.out_hidden_size": 1024}, CheckpointError),
+    ({"text_config.model_type": "qwen3_moe"}, UnsupportedModelError),
+    ({"vision_config.hidden_act": "swish7"}, UnsupportedModelError),
+], ids=["yarn", "not-interleaved", "bad-section", "no-image-token", "hidden-mismatch", "text-type", "act"])
+def test_bad_configs_raise_typed_errors(changes, err):
+    with pytest.raises(err):
+        parse_config(_config(**changes))
