@@ -303,3 +303,26 @@ def test_released_config_parses():
 def test_bad_configs_raise_typed_errors(changes, err):
     with pytest.raises(err):
         parse_config(_config(**changes))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bfloat16_follows_transformers(ckpts):
+    """bf16 on CUDA: the same greedy tokens as transformers' bf16 model on the same device (the logits of two bf16
+    implementations differ by rounding, so only the first steps' tokens are compared, and logits loosely)."""
+    path = ckpts("hf-bf16", dtype="bfloat16")
+    images = [image(14, SIZES["150x170"]), image(15, SIZES["47x133"])]
+    ids = build_prompt(images, path)
+    ref = load_qwen_reference(path).to("cuda")
+    inp = torch.tensor([ids], device="cuda")
+    pv, grid = QwenVLImageProcessor.from_pretrained(path)(images)
+    with torch.no_grad():
+        out = ref.generate(input_ids=inp, attention_mask=torch.ones_like(inp), pixel_values=pv.cuda(),
+                           image_grid_thw=grid.cuda(), mm_token_type_ids=(inp == PAD).int(), max_new_tokens=3,
+                           do_sample=False, output_logits=True, return_dict_in_generate=True,
+                           eos_token_id=SPEC.vocab_size + 7, pad_token_id=IDS["<|endoftext|>"])
+    llm = LLM(path, **{**ENGINE, "dtype": "bfloat16", "device": "cuda"})
+    got = llm.generate([request(ids, images)], greedy(3))[0].outputs[0]
+    assert got.token_ids[:1] == out.sequences[0, len(ids):len(ids) + 1].tolist()
+    torch.testing.assert_close(got.logits[0].cpu(), out.logits[0][0].float().cpu(), rtol=0, atol=0.1)
+    assert_no_leaked_blocks(llm)
