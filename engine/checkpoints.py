@@ -51,6 +51,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -328,12 +329,8 @@ def make_tiny_checkpoint(path: str | os.PathLike, spec: TinySpec = TinySpec(), *
     spec gives identical tensors and tokenizer.
     """
     spec = dataclasses.replace(spec, **overrides)
-    path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise FileExistsError(f"{path} exists and is not an empty directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         model = build_model(spec)
         if spec.layout == "fused":
             _save_fused(model, tmp, spec)
@@ -345,6 +342,18 @@ def make_tiny_checkpoint(path: str | os.PathLike, spec: TinySpec = TinySpec(), *
             write_tokenizer(tmp, spec)
         if spec.with_processor:
             write_processor(tmp, spec)
+
+    return write_atomically(Path(path), write)
+
+
+def write_atomically(path: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` on a sibling temporary directory, then move it to ``path`` (absent or empty)."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{path} exists and is not an empty directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        write(tmp)
         if path.exists():
             path.rmdir()
         os.replace(tmp, path)

@@ -22,15 +22,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from engine.checkpoints import _DTYPES, _reinit_, _shard_bytes
+from engine.checkpoints import _DTYPES, _reinit_, _shard_bytes, write_atomically
 
 if TYPE_CHECKING:
     import transformers
@@ -199,12 +197,8 @@ def write_qwen_processor(path: Path, spec: QwenTinySpec) -> None:
 def make_tiny_qwen_checkpoint(path: str | os.PathLike, spec: QwenTinySpec = QwenTinySpec(), **overrides) -> Path:
     """Write the checkpoint of ``dataclasses.replace(spec, **overrides)`` to ``path`` (absent or empty)."""
     spec = dataclasses.replace(spec, **overrides)
-    path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise FileExistsError(f"{path} exists and is not an empty directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         model = build_qwen_model(spec)
         model.save_pretrained(tmp, max_shard_size=_shard_bytes(model) if spec.sharded else "50GB")
         if spec.layout == "published":
@@ -213,12 +207,8 @@ def make_tiny_qwen_checkpoint(path: str | os.PathLike, spec: QwenTinySpec = Qwen
             write_qwen_tokenizer(tmp, spec)
         if spec.with_processor:
             write_qwen_processor(tmp, spec)
-        if path.exists():
-            path.rmdir()
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    return write_atomically(Path(path), write)
 
 
 def load_qwen_reference(path: str | os.PathLike) -> transformers.PreTrainedModel:
