@@ -12,6 +12,9 @@ every scenario and repeat, so no prompt ever hits the engine's prefix cache (the
 both sides greedy and forced to the exact output length (Duet ``ignore_eos``; transformers with no EOS); one warm-up
 each; one ``LLM`` (``max_num_seqs=64``) and one transformers model reused by every scenario; ``--repeat N`` keeps
 each side's best. The machine's bandwidth/matmul rates are measured in the same run (:mod:`cluster.bench.machine`).
+
+``--model qwen3-vl-moe`` runs :mod:`cluster.bench.qwen_bench` instead: one-image TTFT and prefill tokens/s of a
+Qwen3-VL-MoE checkpoint at ``--image-sizes``, medians of ``--repeat`` alternating rounds.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ import numpy as np
 import torch
 
 from cluster.bench.machine import decode_bound, measure_machine
+from cluster.bench.qwen_bench import image_sizes
 from cluster.bench.report import log, machine_table, scenario_table, write_json
 
 SCENARIOS = ("uniform1", "uniform32", "mixed")
+MODELS = ("llava-moe", "qwen3-vl-moe")
 BENCH_MODEL_NAME = "bench-llava-moe-v1"
 MAX_NUM_SEQS = 64
 
@@ -160,7 +165,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", nargs="?", help=f"checkpoint directory (default: the bench model, built once "
                                                 f"into $DUET_HOME/models/{BENCH_MODEL_NAME})")
     p.add_argument("--scenarios", type=_scenarios, default=list(SCENARIOS), help=f"comma list of {','.join(SCENARIOS)}")
-    p.add_argument("--repeat", type=_positive, default=1, help="run each measurement N times, keep the best")
+    p.add_argument("--model", choices=MODELS, default=MODELS[0],
+                   help="bench model family: llava-moe (the scenarios) or qwen3-vl-moe (one-image TTFT, "
+                        "cluster.bench.qwen_bench)")
+    p.add_argument("--repeat", type=_positive, default=None,
+                   help="run each measurement N times: llava-moe keeps the best (default 1), qwen3-vl-moe quotes "
+                        "the median of N alternating rounds (default 5)")
+    p.add_argument("--image-sizes", type=image_sizes, default=None,
+                   help="qwen3-vl-moe: comma list of square image sides (default 256,512,1024)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
@@ -239,6 +251,11 @@ def _bounds(model_dir: Path, specs: dict[str, ScenarioSpec], results: dict, rate
 def run(args: argparse.Namespace) -> int:
     from engine import LLM
 
+    if args.model == "qwen3-vl-moe":
+        from cluster.bench.qwen_bench import run as run_qwen
+
+        return run_qwen(args)
+    args.repeat = args.repeat or 1
     model_dir = Path(args.model_dir) if args.model_dir else bench_model_dir()
     load_start = os.getloadavg()  # the machine is shared: record how busy it was
     specs = {k: v for k, v in scenario_specs(args.quick).items() if k in args.scenarios}

@@ -15,6 +15,9 @@ For every policy (default: ``none``, ``default``, ``aggressive``), in one run on
 * end to end -- TTFT of a 1 prefill + 1 decode Ray cluster over gloo and gRPC (``--transports``; ``--skip-e2e``
   to leave it out) on prompts of ``--e2e-images`` images each, median of ``--e2e-requests``.
 
+``--model qwen3-vl-moe`` runs :mod:`cluster.bench.qwen_kvcodec` instead: bytes and greedy agreement per policy
+and per ``--image-sizes`` side on the Qwen3-VL-MoE bench model.
+
 Criteria of the issue: ``default`` >= 99% agreement and accuracy within 1 point of ``none``; ``aggressive`` >= 95%
 agreement and within 3 points; visual bytes ``default`` >= 3.5x under float32 and >= 1.8x under bfloat16,
 ``aggressive`` >= 7x under float32.
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 
+from cluster.bench.qwen_bench import image_sizes
 from cluster.bench.report import fmt, format_table, write_json
 
 POLICIES = ("none", "default", "aggressive")
@@ -47,7 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated policy names (JSON policies: repeat --policy)")
     p.add_argument("--policy", action="append", default=[], metavar="JSON", help="an extra custom policy")
-    p.add_argument("--prompts", type=int, default=32, help="prompts for greedy agreement and KL")
+    p.add_argument("--model", choices=("llava-moe", "qwen3-vl-moe"), default="llava-moe",
+                   help="llava-moe: the demo model (all measurements); qwen3-vl-moe: bytes and agreement per image "
+                        "size on the Qwen bench model (cluster.bench.qwen_kvcodec)")
+    p.add_argument("--image-sizes", type=image_sizes, default=None,
+                   help="qwen3-vl-moe: comma list of square image sides (default 256,512,1024)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="prompts for greedy agreement and KL (default 32; qwen3-vl-moe: 4 per image size)")
     p.add_argument("--tokens", type=int, default=32, help="most tokens generated per prompt (greedy, stops at EOS)")
     p.add_argument("--n", type=int, default=200, help="held-out questions for task accuracy (0: skip)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -341,6 +351,11 @@ def run(args: argparse.Namespace) -> int:
     from kv_transfer import KVLayout
     from kv_transfer.compression import InvalidPolicy
 
+    if args.model == "qwen3-vl-moe":
+        from cluster.bench.qwen_kvcodec import run as run_qwen
+
+        return run_qwen(args)
+    args.prompts = 32 if args.prompts is None else args.prompts
     try:
         policies = _policies(args)
     except InvalidPolicy as e:
