@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", help="PEM private key")
     p.add_argument("--model-name", help="the model name clients use (default: the model directory's name)")
     p.add_argument("--max-concurrent", type=int, help="requests in flight before RESOURCE_EXHAUSTED / 429")
+    p.add_argument("--max-visual-tokens", type=int,
+                   help="visual tokens one request's images may take together (default 16384)")
     p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s",
                    help="seconds in-flight requests may take to finish on shutdown (default 30)")
     p.add_argument("--address", help="join this Ray cluster (e.g. auto, or HOST:6379) instead of starting one")
@@ -40,8 +42,9 @@ def run(args: argparse.Namespace) -> int:
     from cluster.serve.config import build_configs, read_config_file
 
     data = read_config_file(args.config) if args.config else {}
-    if args.max_concurrent is not None:
-        data.setdefault("serve", {}).setdefault("limits", {})["max_concurrent"] = args.max_concurrent
+    for name in ("max_concurrent", "max_visual_tokens"):  # the limits that have flags
+        if getattr(args, name) is not None:
+            data.setdefault("serve", {}).setdefault("limits", {})[name] = getattr(args, name)
     overrides = {k: getattr(args, k) for k in ("host", "grpc_port", "http_port", "insecure", "tls_cert", "tls_key",
                                                "model_name", "drain_timeout_s")}
     overrides["token"] = args.token or os.environ.get("DUET_TOKEN") or None

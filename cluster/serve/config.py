@@ -11,7 +11,7 @@ command-line flags on top. Validated before anything starts; every problem is on
       grpc_port: 50051
       http_port: 8000
       model_name: llava-moe
-      limits: {max_concurrent: 128, max_image_pixels: 4194304}
+      limits: {max_concurrent: 128, max_image_pixels: 4194304, max_visual_tokens: 16384}
 """
 
 from __future__ import annotations

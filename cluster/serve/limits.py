@@ -1,8 +1,9 @@
 """Request limits of the serving front-end: image checks before decoding, token budgets, and admission.
 
-All pure or tiny: :func:`check_image` reads only an image's header (a decompression bomb is refused before a
-pixel is decoded), :func:`resolve_max_tokens` is arithmetic on the context, :class:`Admission` counts requests in
-flight and says how long a refused client should wait.
+All pure or tiny: :func:`check_image` / :func:`image_size` read only an image's header (a decompression bomb is
+refused before a pixel is decoded), :func:`check_visual_tokens` counts a request's visual tokens from those sizes
+(before any pixel work), :func:`resolve_max_tokens` is arithmetic on the context, :class:`Admission` counts requests
+in flight and says how long a refused client should wait.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from dataclasses import dataclass
 
 import PIL.Image
 
+from engine.config import ModelConfig
 from engine.errors import DuetError, ImageDecodeError, InvalidRequestError
+from engine.image_processor import ImageProcessor
+from engine.qwen_image_processor import QwenVLImageProcessor
+
+
+class VisualTokenLimitError(InvalidRequestError):
+    """A request's images need more visual tokens than ``limits.max_visual_tokens``."""
 
 
 class Overloaded(DuetError):
@@ -35,11 +43,13 @@ class Limits:
     max_image_bytes: int = 8 * 1024 * 1024  # one encoded image
     max_image_pixels: int = 4096 * 4096  # width * height, read from the header before decoding
     max_images: int = 8  # per request
+    max_visual_tokens: int = 16384  # per request, all images together (counted from their sizes before decoding)
     max_prompt_tokens: int | None = None  # default: the context length minus one
     max_tokens: int | None = None  # cap on max_tokens; default: the context length
 
     def __post_init__(self) -> None:
-        for name in ("max_concurrent", "max_message_bytes", "max_image_bytes", "max_image_pixels", "max_images"):
+        for name in ("max_concurrent", "max_message_bytes", "max_image_bytes", "max_image_pixels", "max_images",
+                     "max_visual_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequestError(f"limits.{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("max_prompt_tokens", "max_tokens"):
@@ -49,8 +59,14 @@ class Limits:
 
 
 def check_image(data: bytes, mime_type: str, limits: Limits, index: int = 0) -> bytes:
-    """``data`` if it is an image within the caps; reads the header only. Raises :class:`ImageDecodeError` naming
-    the image (``index``) and the problem."""
+    """``data`` if it is an image within the caps (:func:`image_size`)."""
+    image_size(data, mime_type, limits, index)
+    return data
+
+
+def image_size(data: bytes, mime_type: str, limits: Limits, index: int = 0) -> tuple[int, int]:
+    """``(width, height)`` of an image within the byte and pixel caps; reads the header only. Raises
+    :class:`ImageDecodeError` naming the image (``index``) and the problem."""
     where = f"image {index}"
     if mime_type and not mime_type.lower().startswith("image/"):
         raise ImageDecodeError(f"{where}: MIME type {mime_type!r} is not an image type")
@@ -70,7 +86,28 @@ def check_image(data: bytes, mime_type: str, limits: Limits, index: int = 0) -> 
     if width * height > limits.max_image_pixels:
         raise ImageDecodeError(f"{where}: {width}x{height} = {width * height} pixels is over the limit of "
                                f"{limits.max_image_pixels} pixels")
-    return data
+    return width, height
+
+
+def visual_token_counts(cfg: ModelConfig, processor: ImageProcessor | QwenVLImageProcessor | None,
+                        sizes: list[tuple[int, int]]) -> list[int]:
+    """Prompt tokens each image of ``(width, height)`` takes: LLaVA's fixed count, or a Qwen-VL image's grid /
+    merge² (from its size alone; an unusable size raises :class:`~engine.qwen_image_processor.ImageSizeError`)."""
+    if cfg.vision is None:  # a text-only model takes no images (the engine says so)
+        return [0] * len(sizes)
+    if cfg.is_qwen_vl:
+        assert isinstance(processor, QwenVLImageProcessor)
+        return [processor.num_visual_tokens(h, w) for w, h in sizes]
+    return [cfg.tokens_per_image] * len(sizes)
+
+
+def check_visual_tokens(counts: list[int], limit: int) -> None:
+    """Raises :class:`VisualTokenLimitError` when the images' visual tokens together exceed ``limit``: two Qwen-VL
+    images of 6 and 20 tokens pass ``limit=26`` and are refused at ``limit=25`` ("the images need 26 visual tokens
+    ([6, 20]); max_visual_tokens is 25")."""
+    if sum(counts) > limit:
+        raise VisualTokenLimitError(f"the images need {sum(counts)} visual tokens ({counts}); max_visual_tokens "
+                                    f"is {limit}")
 
 
 def resolve_max_tokens(requested: int | None, default: int, prompt_tokens: int, max_model_len: int,

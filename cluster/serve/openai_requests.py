@@ -2,7 +2,8 @@
 :class:`~engine.errors.InvalidRequestError` naming the field).
 
 Chat ``content`` may be a string or a list of ``text`` and ``image_url`` parts; each image part becomes an
-``<image>`` placeholder at its place, and its URL must be a base64 ``data:`` URL. Duet extensions beside OpenAI's
+``<image>`` placeholder at its place, and its URL must be a base64 ``data:`` URL; a ``video_url`` (or ``video``) part is
+refused with :class:`~engine.errors.UnsupportedInputError` (video is not served yet). Duet extensions beside OpenAI's
 fields: ``top_k``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``.
 """
 
@@ -13,7 +14,7 @@ import binascii
 from typing import Any
 
 from cluster.serve.schema import GenerateInput, ImageInput, SamplingOptions
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, UnsupportedInputError
 
 
 def _field(body: dict, name: str, types: type | tuple[type, ...], default: Any = None) -> Any:
@@ -97,6 +98,9 @@ def chat_from_body(body: dict) -> tuple[list[dict], list[ImageInput]]:
                         raise InvalidRequestError(f"messages[{i}].content[{j}].image_url needs a url")
                     images.append(decode_data_url(url, f"messages[{i}].content[{j}]"))
                     pieces.append("<image>")
+                elif kind in ("video_url", "video"):
+                    raise UnsupportedInputError(f"messages[{i}].content[{j}]: video inputs are not supported yet "
+                                                "(images only)")
                 else:
                     raise InvalidRequestError(f"messages[{i}].content[{j}]: unsupported part type {kind!r} "
                                               "(text and image_url are supported)")

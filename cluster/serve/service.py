@@ -29,7 +29,15 @@ from cluster.serve.errors import (
     classify,
 )
 from cluster.serve.expert_load import ExpertLoad, placement_summary
-from cluster.serve.limits import Admission, Limits, check_image, resolve_max_tokens
+from cluster.serve.chat import render_chat
+from cluster.serve.limits import (
+    Admission,
+    Limits,
+    check_visual_tokens,
+    image_size,
+    resolve_max_tokens,
+    visual_token_counts,
+)
 from cluster.serve.metrics import Metrics
 from cluster.serve.schema import (
     DeltaEvent,
@@ -182,7 +190,11 @@ class InferenceService:
                                      f"{self.model_name!r})")
         if len(req.images) > self.limits.max_images:
             raise InvalidRequestError(f"{len(req.images)} images is over the limit of {self.limits.max_images}")
-        images = [check_image(im.data, im.mime_type, self.limits, i) for i, im in enumerate(req.images)]
+        sizes = [image_size(im.data, im.mime_type, self.limits, i) for i, im in enumerate(req.images)]
+        inputs = self.cluster.inputs
+        check_visual_tokens(visual_token_counts(inputs.cfg, inputs.image_processor, sizes),
+                            self.limits.max_visual_tokens)
+        images = [im.data for im in req.images]
         if req.prompt_token_ids is not None:
             prompt: dict = {"prompt_token_ids": list(req.prompt_token_ids)}
         elif req.messages is not None:
@@ -193,7 +205,7 @@ class InferenceService:
                 raise InvalidRequestError("the prompt is empty")
             tok = self.cluster.tokenizer
             if not req.raw_prompt and tok is not None:
-                text = tok.apply_chat_template([{"role": "user", "content": text}]) or text
+                text = render_chat(tok, self.cluster.inputs.cfg, [{"role": "user", "content": text}]) or text
             prompt = {"prompt": text}
         if images:
             prompt["multi_modal_data"] = {"image": images}
@@ -211,7 +223,7 @@ class InferenceService:
         if not any(m["content"].strip() for m in messages):
             raise InvalidRequestError("the prompt is empty")
         tok = self.cluster.tokenizer
-        text = tok.apply_chat_template(messages) if tok is not None else None
+        text = render_chat(tok, self.cluster.inputs.cfg, messages) if tok is not None else None
         if text is None:
             raise InvalidRequestError("this model has no chat template; send a raw prompt (/v1/completions, or "
                                       "prompt with raw_prompt)")
@@ -241,13 +253,19 @@ class InferenceService:
         return True
 
     def model_info(self) -> dict:
+        """What ``ListModels`` reports. ``architecture`` is ``<family>/<text model>`` (``llava/qwen3_moe``,
+        ``qwen3_vl/qwen3_vl_moe_text``) or the bare text model; ``tokens_per_image`` is 0 where it varies with the
+        image (Qwen-VL: grid / merge², with ``patch_size`` and ``merge_size`` to compute it)."""
         cfg = self.cluster.inputs.cfg
-        arch = cfg.text.model_type if cfg.vision is None else f"llava/{cfg.text.model_type}"
+        v = cfg.vision
+        arch = cfg.text.model_type if v is None else f"{cfg.family}/{cfg.text.model_type}"
+        qwen = v is not None and cfg.is_qwen_vl
         return {"id": self.model_name, "architecture": arch, "max_model_len": self.max_model_len,
                 "max_prompt_tokens": self.max_prompt_tokens, "max_tokens": self.max_tokens_cap,
-                "vision": cfg.vision is not None, "tokens_per_image": cfg.tokens_per_image if cfg.vision else 0,
+                "vision": v is not None, "tokens_per_image": cfg.tokens_per_image if v is not None and not qwen else 0,
                 "max_image_bytes": self.limits.max_image_bytes, "max_image_pixels": self.limits.max_image_pixels,
-                "max_images": self.limits.max_images}
+                "max_images": self.limits.max_images, "max_visual_tokens": self.limits.max_visual_tokens,
+                "patch_size": v.patch_size if qwen else 0, "merge_size": v.spatial_merge_size if qwen else 0}
 
     async def status(self) -> dict:
         workers = await asyncio.get_running_loop().run_in_executor(None, self.cluster.status)

@@ -207,7 +207,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self, api_version: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "architecture", "max_model_len", "max_prompt_tokens", "max_tokens", "vision", "tokens_per_image", "max_image_bytes", "max_image_pixels", "max_images")
+    __slots__ = ("id", "architecture", "max_model_len", "max_prompt_tokens", "max_tokens", "vision", "tokens_per_image", "max_image_bytes", "max_image_pixels", "max_images", "max_visual_tokens", "patch_size", "merge_size")
     ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,9 @@ class ModelInfo(_message.Message):
     MAX_IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_VISUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MERGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     id: str
     architecture: str
     max_model_len: int
@@ -228,7 +231,10 @@ class ModelInfo(_message.Message):
     max_image_bytes: int
     max_image_pixels: int
     max_images: int
-    def __init__(self, id: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., vision: _Optional[bool] = ..., tokens_per_image: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_images: _Optional[int] = ...) -> None: ...
+    max_visual_tokens: int
+    patch_size: int
+    merge_size: int
+    def __init__(self, id: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., vision: _Optional[bool] = ..., tokens_per_image: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_images: _Optional[int] = ..., max_visual_tokens: _Optional[int] = ..., patch_size: _Optional[int] = ..., merge_size: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("api_version", "models")
