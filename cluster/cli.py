@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text; each <image> marks where an --image goes")
     src.add_argument("--token-ids", type=_token_ids, help="input ids exactly as transformers takes them")
     g.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
+    g.add_argument("--max-visual-tokens", type=int, default=None, metavar="N",
+                   help="visual tokens the images may take together (default: duet serve's limit, 16384; a Qwen-VL "
+                        "image's count grows with its size)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

@@ -1,5 +1,9 @@
 """``duet generate``: one request through the offline engine (``--mode local``) or a disaggregated cluster of
-prefill and decode actors on Ray (``--mode disagg``)."""
+prefill and decode actors on Ray (``--mode disagg``).
+
+Everything a user can get wrong is checked before a model or a worker is loaded: the flags, the image files, and the
+images' visual tokens against ``--max-visual-tokens`` (from their sizes alone; a Qwen-VL image takes grid / merge²).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from engine.errors import ImageDecodeError, InvalidRequestError
 
 if TYPE_CHECKING:
     import PIL.Image
+
+    from engine.config import ModelConfig
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -30,6 +36,7 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
     model_dir = str(args.model_dir or default_model_dir())
+    _check_visual_tokens(model_dir, images, args.max_visual_tokens)
     run = _run_disagg if args.mode == "disagg" else _run_local
     result = run(args, model_dir, images, params)
     if args.json:
@@ -39,13 +46,32 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompt(args: argparse.Namespace, tokenizer, images: list) -> dict:
+def _check_visual_tokens(model_dir: str, images: list, limit: int | None) -> None:
+    """``--max-visual-tokens`` (None: the server's default limit) against the images' counts; reads the config only."""
+    from cluster.serve.limits import Limits, check_visual_tokens, visual_token_counts
+    from engine.config import ModelConfig
+    from engine.inputs import image_processor_for
+
+    if limit is not None and limit < 1:
+        raise InvalidRequestError(f"--max-visual-tokens must be at least 1, got {limit}")
+    if not images:
+        return
+    limit = Limits().max_visual_tokens if limit is None else limit
+    cfg = ModelConfig.from_pretrained(model_dir)
+    counts = visual_token_counts(cfg, image_processor_for(model_dir, cfg), [im.size for im in images])
+    check_visual_tokens(counts, limit)
+
+
+def _prompt(args: argparse.Namespace, tokenizer, cfg: ModelConfig, images: list) -> dict:
     """The request: ``--prompt`` goes through the checkpoint's chat template when it has one (``--raw-prompt``
-    skips it); ``--token-ids`` are taken as they are."""
+    skips it; a Qwen-VL template gets the images as content parts, :mod:`cluster.serve.chat`); ``--token-ids`` are
+    taken as they are."""
+    from cluster.serve.chat import render_chat
+
     if args.prompt is not None:
         text = args.prompt
         if tokenizer is not None and not args.raw_prompt:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}]) or text
+            text = render_chat(tokenizer, cfg, [{"role": "user", "content": text}]) or text
         prompt: dict = {"prompt": text}
     else:
         prompt = {"prompt_token_ids": args.token_ids}
@@ -58,7 +84,7 @@ def _run_local(args: argparse.Namespace, model_dir: str, images: list, params) -
     from engine import LLM
 
     llm = LLM(model_dir, dtype=args.dtype, device=args.device, max_num_seqs=1)
-    out = llm.generate([_prompt(args, llm.get_tokenizer(), images)], params)[0]
+    out = llm.generate([_prompt(args, llm.get_tokenizer(), llm.engine.inputs.cfg, images)], params)[0]
     c = out.outputs[0]
     return {"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
             "metrics": {"ttft_s": out.metrics.ttft_s, "tpot_s": out.tpot_s()}}
@@ -83,7 +109,7 @@ def _run_disagg(args: argparse.Namespace, model_dir: str, images: list, params) 
                  log_to_driver=False, configure_logging=False)
     cluster = DisaggCluster(spec)
     try:
-        c = cluster.generate_batch([_prompt(args, cluster.tokenizer, images)], params)[0]
+        c = cluster.generate_batch([_prompt(args, cluster.tokenizer, cluster.inputs.cfg, images)], params)[0]
         experts = cluster.expert_summary()
     finally:
         cluster.shutdown()
