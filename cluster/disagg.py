@@ -32,8 +32,8 @@ from cluster.timeline import RequestClock
 from engine import SamplingParams
 from engine.config import DTYPES, ModelConfig
 from engine.errors import DuetError, OutOfBlocksError
-from engine.image_processor import ImageProcessor, load_image
-from engine.inputs import InputProcessor
+from engine.image_processor import load_image
+from engine.inputs import InputProcessor, image_processor_for
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -92,8 +92,7 @@ class DisaggCluster(ClusterOps):
         self.spec = spec
         cfg = ModelConfig.from_pretrained(spec.model_dir)
         tok = Tokenizer.from_pretrained(spec.model_dir) if (Path(spec.model_dir) / "tokenizer.json").is_file() else None
-        improc = (ImageProcessor.from_pretrained(spec.model_dir, default_image_size=cfg.vision.image_size,
-                                                 vision_model_type=cfg.vision.model_type) if cfg.vision else None)
+        improc = image_processor_for(spec.model_dir, cfg)  # LLaVA's fixed-size or Qwen3-VL's native-resolution
         self.tokenizer = tok
         self.inputs = InputProcessor(cfg, tok, improc, spec.max_model_len or min(cfg.text.max_position_embeddings, 4096))
         self._actor_cls = {"prefill": PrefillActor, "decode": DecodeActor}

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from decode_node.expert_tiers import TierConfig
 from decode_node.worker import DecodeWorker
 from engine import EngineConfig, RequestOutput, SamplingParams
 from kv_transfer.inproc.manager import Manager as InprocManager
@@ -23,10 +24,11 @@ class PairTimeout(TimeoutError):
 
 class LocalPair:
     def __init__(self, model_dir: str | Path, config: EngineConfig, *, compression: Any = None,
-                 stream_layers: bool = True) -> None:
+                 stream_layers: bool = True, expert_tiers: TierConfig | None = None) -> None:
         self.prefill_manager, self.decode_manager = InprocManager(), InprocManager()
         self.prefill = PrefillWorker(model_dir, config, stream_layers=stream_layers, compression=compression)
-        self.decode = DecodeWorker(model_dir, config, self.decode_manager, compression=compression)
+        self.decode = DecodeWorker(model_dir, config, self.decode_manager, compression=compression,
+                                   expert_tiers=expert_tiers)
         self._ids = itertools.count()
 
     def generate(self, prompts: list[Any], params: SamplingParams | list[SamplingParams], *,
@@ -70,6 +72,8 @@ class LocalPair:
         return [final.get(rid) for rid in rids], failed
 
     def close(self) -> None:
+        if self.decode.tiers is not None:
+            self.decode.tiers.close()
         self.prefill_manager.close()
         self.decode_manager.close()
 

@@ -3,9 +3,11 @@ batch.
 
 Queues a request moves through: ``allocate`` (blocks reserved, lease issued, receiver registered) -> receiving
 (layers land in the reserved blocks on the transport's thread, each verified first) -> committed when the receiver
-reports SUCCESS (the first token from prefill joins the running batch) -> running (one token per step) -> finished.
-A receiver that FAILS (checksum, missing layer, abort, expired lease, dead peer) releases the blocks and the request
-surfaces as a failure for the router to retry or report; no partially written cache is ever decoded.
+reports SUCCESS and its hand-off (:mod:`kv_transfer.handoff`) checks out (the first token from prefill joins the
+running batch; generated positions continue from the M-RoPE delta it carries) -> running (one token per step) ->
+finished. A receiver that FAILS (checksum, missing layer, abort, expired lease, dead peer), or a hand-off that does not
+parse or disagrees with the prompt, releases the blocks and the request surfaces as a failure for the router to
+retry or report; no partially written cache is ever decoded.
 
 With ``expert_parallel`` the worker is one rank of an expert-parallel group (:mod:`decode_node.expert_parallel`):
 its loop calls :meth:`DecodeWorker.group_step` (one lockstep tick of the group) instead of :meth:`DecodeWorker.step`.
@@ -39,10 +41,11 @@ from kv_transfer import (
     KVPoll,
     KVReceiver,
     Lease,
+    ProtocolError,
     transfer_deadline,
 )
 from kv_transfer.compression import CompressionPolicy, resolve_policy
-from prefill_node.worker import generator_from_state
+from kv_transfer.handoff import Handoff, check_mrope_delta
 
 logger = logging.getLogger(__name__)
 
@@ -147,14 +150,20 @@ class DecodeWorker:
             state = receiver.poll()
             if state == KVPoll.SUCCESS:
                 del self.receivers[rid]
-                meta = receiver.meta or {}
-                out = self.engine.commit_prefilled(rid, int(meta["first_token"]),
-                                                   generator_from_state(meta.get("generator_state")), lossy=self.lossy)
-                if "expert_hist" in meta:
-                    report.routing_hints[rid] = meta["expert_hist"]
+                try:
+                    handoff = self._accept_handoff(rid, receiver.meta)
+                except ProtocolError as e:  # a hand-off this side cannot trust: never decode from it
+                    logger.error("request %s: %s", rid, e)
+                    self.clocks.pop(rid, None)
+                    self._release(rid)
+                    report.failed[rid] = f"{type(e).__name__}: {e}"
+                    continue
+                out = self.engine.commit_prefilled(rid, handoff.first_token, handoff.generator(), lossy=self.lossy)
+                if handoff.expert_hist is not None:
+                    report.routing_hints[rid] = handoff.expert_hist
                     if self.tiers is not None:  # pre-warm this request's experts before its first decode step
-                        self.tiers.on_requests([(rid, meta["expert_hist"])], [])
-                report.transfers[rid] = self._transfer_stats(rid, meta)
+                        self.tiers.on_requests([(rid, handoff.expert_hist)], [])
+                report.transfers[rid] = self._transfer_stats(rid, handoff)
                 report.transfers[rid]["wire_bytes"] = getattr(receiver, "wire_bytes", report.transfers[rid]["bytes"])
                 report.outputs.append(out)
             elif state == KVPoll.FAILED:
@@ -163,11 +172,23 @@ class DecodeWorker:
                 self._release(rid)
                 report.failed[rid] = str(receiver.failure_exception() or "transfer failed")
 
-    def _transfer_stats(self, request_id: str, meta: dict) -> dict:
+    def _accept_handoff(self, request_id: str, meta: dict | None) -> Handoff:
+        """Parse a receiving request's hand-off and set what decode continues from: generated tokens' M-RoPE
+        positions use the delta prefill sent, after checking it against this side's own computation from the
+        prompt (image sizes only: the decode side never runs the vision tower). Raises ProtocolError
+        (:class:`~kv_transfer.handoff.HandoffMismatch` on disagreement); the request is then unchanged."""
+        handoff = Handoff.from_meta(meta)
+        seq = self.engine.receiving[request_id]
+        check_mrope_delta(handoff, 0 if seq.mm is None else seq.mm.mrope_delta, request_id)
+        if seq.mm is not None:
+            seq.mm.mrope_delta = handoff.mrope_delta
+        return handoff
+
+    def _transfer_stats(self, request_id: str, handoff: Handoff) -> dict:
         c = self.clocks.pop(request_id, None)
         if c is None or c.first_s is None:
             return {"transport": self.manager.name, "bytes": 0, "layers": 0, "seconds": 0.0, "exposed_seconds": 0.0}
-        done = meta.get("compute_done_s", c.last_s)
+        done = c.last_s if handoff.compute_done_s is None else handoff.compute_done_s
         return {"transport": self.manager.name, "bytes": c.nbytes, "layers": c.layers,
                 "seconds": c.last_s - c.first_s, "exposed_seconds": max(0.0, c.last_s - done)}
 

@@ -3,8 +3,9 @@ layer, to the decode worker that holds its lease.
 
 Queues a request moves through: ``submit`` -> engine waiting (admission) -> engine running (prefill chunks; after the
 final chunk's layer i, layer i's blocks are gathered and handed to the request's :class:`KVSender`) -> first token
-sampled -> ``finish`` frame (first token, routing hints, sampler state) -> blocks freed. The worker never decodes past
-the first token. Transfers overlap compute: ``send_layer`` only enqueues.
+sampled -> ``finish`` frame (the :class:`~kv_transfer.handoff.Handoff`: first token, M-RoPE delta, routing hints,
+sampler state) -> blocks freed. The worker never decodes past the first token. Transfers overlap compute:
+``send_layer`` only enqueues.
 
 Not thread-safe by itself: the actor wrapper serialises calls (``submit``/``abort`` and ``step`` under one lock).
 """
@@ -17,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -31,6 +31,7 @@ from kv_transfer.compression import (
     needs_scores,
     resolve_policy,
 )
+from kv_transfer.handoff import Handoff, generator_to_state
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +102,9 @@ class PrefillWorker:
                 continue
             for layer, k, v, ctx in self._held.pop(rid, []):
                 sender.send_layer(layer, k, v, ctx)
-            meta = self._finish_meta(out.outputs[0].token_ids[0], seq)
-            meta["compute_done_s"] = self._compute_done.pop(rid, time.time())
+            handoff = self._handoff(out.outputs[0].token_ids[0], seq, self._compute_done.pop(rid, time.time()))
             self._visual.pop(rid, None)
-            sender.finish(meta)
+            sender.finish(handoff.to_meta())
             self.outstanding_tokens -= len(out.prompt_token_ids)
             if not out.finished:
                 self.engine.abort_request(rid)
@@ -148,13 +148,14 @@ class PrefillWorker:
         return ctx
 
     @staticmethod
-    def _finish_meta(first_token: int, seq: Sequence | None) -> dict:
-        meta: dict[str, Any] = {"first_token": int(first_token)}
-        if seq is not None and seq.expert_hist is not None:
-            meta["expert_hist"] = seq.expert_hist.tolist()
-        if seq is not None and seq.generator is not None:
-            meta["generator_state"] = seq.generator.get_state().numpy().tobytes()
-        return meta
+    def _handoff(first_token: int, seq: Sequence | None, compute_done_s: float) -> Handoff:
+        """What the decode side needs beside the KV (:mod:`kv_transfer.handoff`)."""
+        if seq is None:
+            return Handoff(int(first_token), compute_done_s=compute_done_s)
+        return Handoff(int(first_token), mrope_delta=0 if seq.mm is None else int(seq.mm.mrope_delta),
+                       expert_hist=None if seq.expert_hist is None else seq.expert_hist.tolist(),
+                       generator_state=None if seq.generator is None else generator_to_state(seq.generator),
+                       compute_done_s=compute_done_s)
 
 
 @dataclasses.dataclass
@@ -168,10 +169,3 @@ class Faults:
 
 def _flip_first_byte(header: dict, payload: torch.Tensor) -> None:
     payload[0] ^= 0xFF
-
-
-def generator_from_state(state: bytes | None) -> torch.Tensor | None:
-    """Inverse of the ``generator_state`` bytes in a finish frame."""
-    if state is None:
-        return None
-    return torch.from_numpy(np.frombuffer(state, dtype=np.uint8).copy())

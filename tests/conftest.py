@@ -120,3 +120,21 @@ def ray_cluster() -> Iterator[None]:
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``tiny_qwen_ckpt(**overrides) -> Path`` (session): the tiny random-weight Qwen3-VL(-MoE) checkpoint of
+    ``QwenTinySpec(**overrides)`` (default: 3 MoE text layers, 8 experts top-2, patch 16, merge 2, "hf" layout),
+    written once per session. Treat the directory as read-only."""
+    from engine.qwen_checkpoints import QwenTinySpec, make_tiny_qwen_checkpoint
+
+    cache: dict[QwenTinySpec, Path] = {}
+
+    def make(**overrides) -> Path:
+        spec = QwenTinySpec(**overrides)
+        if spec not in cache:
+            cache[spec] = make_tiny_qwen_checkpoint(tmp_path_factory.mktemp("tiny-qwen") / "ckpt", spec)
+        return cache[spec]
+
+    return make

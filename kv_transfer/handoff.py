@@ -1,0 +1,101 @@
+"""The prefill -> decode hand-off: what travels in a transfer's ``finish`` frame beside the KV.
+
+The prefill worker builds a :class:`Handoff` when a request's prompt is done and sends ``to_meta()`` as the
+``finish(meta)`` dict; the decode worker parses the receiver's ``meta`` with :meth:`Handoff.from_meta` before it
+commits the request. Fields:
+
+* ``first_token``: the token prefill sampled (the decode side appends it; prefill never decodes past it);
+* ``mrope_delta``: M-RoPE models (Qwen3-VL): generated token at sequence index ``i`` has position ``i + delta`` in
+  all three rows (:mod:`engine.mrope`); 0 for text-only prompts and 1-D RoPE models. The decode side checks it
+  against its own computation from the prompt (image sizes, no pixels) and fails the request with
+  :class:`HandoffMismatch` when they differ, rather than decode at wrong positions;
+* ``expert_hist``: the prompt's routing choices ``[MoE layers][experts]`` (routing hints for pre-warm and placement);
+* ``generator_state``: a seeded request's sampler state after the first token (``torch.Generator.get_state`` bytes);
+* ``compute_done_s``: wall time the last layer's KV was computed (transfer statistics).
+
+Versions (``"v"``): 1 had no version field and no ``mrope_delta`` (parsed as delta 0, which an image prompt of an
+M-RoPE model then fails against); 2 adds both. Any other version is a :class:`~kv_transfer.base.ProtocolError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kv_transfer.base import ProtocolError
+
+HANDOFF_VERSION = 2
+LEGACY_VERSION = 1  # a meta map without "v"
+
+
+class HandoffMismatch(ProtocolError):
+    """The hand-off disagrees with what the decode side derived from the same prompt (e.g. the M-RoPE delta)."""
+
+
+@dataclass(frozen=True)
+class Handoff:
+    first_token: int
+    mrope_delta: int = 0
+    expert_hist: list[list[int]] | None = None
+    generator_state: bytes | None = None
+    compute_done_s: float | None = None
+    version: int = HANDOFF_VERSION  # of the message it was parsed from
+
+    def to_meta(self) -> dict[str, Any]:
+        """The msgpack-able ``finish`` dict (always the current version)."""
+        meta: dict[str, Any] = {"v": HANDOFF_VERSION, "first_token": int(self.first_token),
+                                "mrope_delta": int(self.mrope_delta)}
+        if self.expert_hist is not None:
+            meta["expert_hist"] = self.expert_hist
+        if self.generator_state is not None:
+            meta["generator_state"] = self.generator_state
+        if self.compute_done_s is not None:
+            meta["compute_done_s"] = float(self.compute_done_s)
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any] | None) -> Handoff:
+        """Inverse of :meth:`to_meta`; also reads version-1 maps (no ``"v"``, delta 0). Raises
+        :class:`ProtocolError` for another version or a malformed map."""
+        if not isinstance(meta, dict):
+            raise ProtocolError(f"hand-off is a {type(meta).__name__}, not a map")
+        version = meta.get("v", LEGACY_VERSION)
+        if version not in (LEGACY_VERSION, HANDOFF_VERSION):
+            raise ProtocolError(f"hand-off version {version!r} is not supported (expected <= {HANDOFF_VERSION})")
+        try:
+            delta = meta.get("mrope_delta", 0) if version >= 2 else 0
+            if isinstance(delta, bool) or not isinstance(delta, int):
+                raise TypeError(f"mrope_delta must be an int, got {delta!r}")
+            state = meta.get("generator_state")
+            if state is not None and not isinstance(state, bytes):
+                raise TypeError("generator_state must be bytes")
+            return cls(first_token=int(meta["first_token"]), mrope_delta=delta, expert_hist=meta.get("expert_hist"),
+                       generator_state=state, compute_done_s=meta.get("compute_done_s"), version=version)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"malformed hand-off: {e!r}") from e
+
+    def generator(self) -> torch.Tensor | None:
+        """``generator_state`` as the tensor ``torch.Generator.set_state`` takes (None without one)."""
+        return None if self.generator_state is None else generator_from_state(self.generator_state)
+
+
+def generator_to_state(generator: torch.Generator) -> bytes:
+    return generator.get_state().numpy().tobytes()
+
+
+def generator_from_state(state: bytes | None) -> torch.Tensor | None:
+    """Inverse of :func:`generator_to_state`."""
+    if state is None:
+        return None
+    return torch.from_numpy(np.frombuffer(state, dtype=np.uint8).copy())
+
+
+def check_mrope_delta(received: Handoff, own: int, request_id: str) -> None:
+    """Raise :class:`HandoffMismatch` unless the delta prefill sent equals the decode side's own ``own``."""
+    if received.mrope_delta != own:
+        how = "" if received.version >= 2 else f" (a version-{received.version} hand-off carries no delta)"
+        raise HandoffMismatch(f"request {request_id}: prefill's M-RoPE delta {received.mrope_delta} != the decode "
+                              f"side's {own} for the same prompt{how}")
