@@ -111,3 +111,20 @@ def test_bad_input_exits_2(model_dir, images, reference, capsys):
     for message, argv in cases.items():
         rc, _, err = _generate(capsys, str(model_dir), *argv)
         assert rc == EXIT_USAGE and message in err and err.count("\n") == 1, (message, err)
+
+
+def test_a_template_without_image_parts_gets_the_placeholder_text(model_dir):
+    """A Qwen template that renders only string content: the message goes as it is and the engine expands
+    ``<image>`` (the same ids as the template that renders image parts)."""
+    from cluster.serve.chat import render_chat
+    from engine.config import ModelConfig
+    from engine.tokenizer import Tokenizer
+
+    tok, cfg = Tokenizer.from_pretrained(model_dir), ModelConfig.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": f"<image>{QUESTION}"}]
+    with_parts = render_chat(tok, cfg, messages)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{{ '<|im_start|>assistant\\n' }}")
+    as_text = render_chat(tok, cfg, messages)
+    assert as_text == f"<|im_start|>user\n<image>{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    assert as_text.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>") == with_parts
