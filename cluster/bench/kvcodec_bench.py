@@ -214,8 +214,10 @@ def _stats(header: dict, k: torch.Tensor, ctx) -> dict:
             "visual": {"tokens": vis, "dropped": 0, "bytes": vis * per_token}}
 
 
-def quality_runs(model_dir: Path, config, policy, prompts: list[dict], tokens: int, examples) -> dict:
-    """Greedy tokens + logits on ``prompts`` and answers on ``examples`` through an in-process pair."""
+def quality_runs(model_dir: Path, config, policy, prompts: list[dict], tokens: int, examples,
+                 window: int | None = None) -> dict:
+    """Greedy tokens + logits on ``prompts`` and answers on ``examples`` through an in-process pair (``window``:
+    :meth:`LocalPair.generate`'s, for prompts whose prefills would outlast a lease when queued together)."""
     from cluster.bench.quality_bench import prompts_for, records, summarize
     from cluster.local_pair import LocalPair
     from engine import SamplingParams
@@ -223,7 +225,7 @@ def quality_runs(model_dir: Path, config, policy, prompts: list[dict], tokens: i
     pair = LocalPair(model_dir, config, compression=policy)
     try:
         sp = SamplingParams(temperature=0, max_tokens=tokens, return_logits=True)
-        outs, failed = pair.generate(prompts, sp)
+        outs, failed = pair.generate(prompts, sp, window=window)
         if failed:
             raise RuntimeError(f"transfers failed: {failed}")
         toks = [o.outputs[0].token_ids for o in outs]

@@ -46,7 +46,9 @@ def measure_size(model_dir: Path, config, layout, policies: list, prompts: list[
     results, ref = {}, None
     for name, policy in policies:
         m = codec_measure(capture_layers(model_dir, config, prompts, policy), policy, layout)
-        q = quality_runs(model_dir, config, policy, prompts, tokens, [])
+        # one request between allocation and first token at a time: four 1024² prefills queued together outlast
+        # the decode side's lease on a 2-core machine
+        q = quality_runs(model_dir, config, policy, prompts, tokens, [], window=1)
         ref = ref or q
         stats = m["stats"] if policy is not None else _identity_stats(prompts, image_token_id, layout.num_layers,
                                                                          raw_per_token)
