@@ -257,7 +257,8 @@ class PoolHooks(Protocol):
     """What :class:`Autoscaler` needs from a cluster. ``add_worker`` starts one worker of ``role`` (its Ray resource
     request, e.g. ``{"duet_decode": 1}``, makes the Ray autoscaler add a node when none has room) and returns its id;
     ``drain_worker`` stops routing new requests to one worker of ``role`` and removes it once its running requests
-    finish (it returns at once with the worker's id). ``pool_sizes`` counts workers not draining."""
+    finish (it returns at once with the worker's id). ``pool_sizes`` counts workers not draining, including dead
+    ones the pool healer is replacing (:mod:`cluster.pool_healer`), so a replacement is never doubled by an ADD."""
 
     def pool_sizes(self) -> dict[str, int]: ...
     def add_worker(self, role: str) -> str: ...

@@ -39,6 +39,8 @@ class ClusterOps:
                     pass
             if role == "decode":
                 row["total_blocks"] = self.total_blocks.get(w.load.worker_id, 0)
+            if not row["alive"] and (healing := self._healer.state_of(w.load.worker_id)) is not None:
+                row["healing"] = healing  # "respawning" or "given_up" (cluster.pool_healer)
             out.append(row)
         return out
 
@@ -98,9 +100,11 @@ class ClusterOps:
 
     # ------------------------------------------------------------------------------- pool hooks (cluster.autoscale)
     def pool_sizes(self) -> dict[str, int]:
-        """Live workers per role that take new requests (draining ones excluded)."""
+        """Workers per role that take new requests (draining ones excluded), counting dead ones being respawned
+        (:mod:`cluster.pool_healer`): the autoscaler must not add a worker on top of a replacement. Workers given
+        up are not counted."""
         return {role: sum(w.load.alive and w.load.worker_id not in self._draining for w in ws)
-                for role, ws in (("prefill", self.prefills), ("decode", self.decodes))}
+                + self._healer.pending(role) for role, ws in (("prefill", self.prefills), ("decode", self.decodes))}
 
     def add_worker(self, role: str) -> str:
         """Start one more ``role`` worker (blocks until it answers, up to 300 s) and route to it; returns its id.
@@ -109,9 +113,8 @@ class ClusterOps:
         import ray
 
         self._check_resizable(role)
-        worker_id = f"{role}-{self._next_index[role]}"
-        self._next_index[role] += 1
-        w = self._spawn(role, worker_id)
+        w = self._spawn(role, self._next_id(role))
+        worker_id = w.load.worker_id
         ray.get(w.actor.ping.remote(), timeout=300)
         if role == "decode":
             w.load.free_blocks = messages.unpack(ray.get(w.actor.stats.remote(), timeout=30))["free_blocks"]
@@ -146,6 +149,11 @@ class ClusterOps:
         """Block until :meth:`drain_worker`'s worker is removed."""
         self._draining[worker_id].result(timeout=timeout_s)
 
+    def _next_id(self, role: str) -> str:
+        worker_id = f"{role}-{self._next_index[role]}"
+        self._next_index[role] += 1
+        return worker_id
+
     def _check_resizable(self, role: str) -> None:
         if role not in ("prefill", "decode"):
             raise InvalidRequestError(f"role must be prefill or decode, got {role!r}")
@@ -170,6 +178,111 @@ class ClusterOps:
         pool.remove(w)
         self.total_blocks.pop(wid, None)
         logger.info("drained and removed %s", wid)
+
+    # ---------------------------------------------------------------------- self-healing hooks (cluster.pool_healer)
+    def healing(self) -> dict:
+        """``{"respawns": {role: n}, "given_up": {role: [worker ids]}, "respawning": [worker ids]}``."""
+        return self._healer.summary()
+
+    def heal_members(self) -> list[tuple[str, _Worker]]:
+        if self._closing:
+            return []
+        return [(role, w) for role, ws in (("prefill", self.prefills), ("decode", self.decodes)) for w in ws
+                if w.load.worker_id not in self._draining]
+
+    def group_of(self, worker_id: str) -> str | None:
+        if self.spec.expert_parallel == 1:
+            return None
+        i = next((i for i, w in enumerate(self.decodes) if w.load.worker_id == worker_id), None)
+        return None if i is None else f"ep-{i // self.spec.expert_parallel}"
+
+    async def replace_dead(self, slot: str, role: str, dead: _Worker) -> list[tuple[str, str]]:
+        """Start a fresh worker of ``dead``'s role and config in its place (a whole fresh group when it was a member
+        of an expert-parallel group: the survivors cannot go on without it). Runs on the front-end loop."""
+        import ray
+
+        if role == "decode" and self.group_of(dead.load.worker_id) is not None:
+            return await self._reform_group(int(slot.removeprefix("ep-")))
+        pool = self.prefills if role == "prefill" else self.decodes
+        i = pool.index(dead)
+        ray.kill(dead.actor)  # an unresponsive actor must not come back next to its replacement
+        new = self._spawn(role, self._next_id(role), self._ep_config(role, i))
+        try:
+            await asyncio.to_thread(self._await_started, [new])
+        except BaseException:
+            ray.kill(new.actor)
+            raise
+        self._install(role, i, new)
+        return [(dead.load.worker_id, new.load.worker_id)]
+
+    async def _reform_group(self, g: int) -> list[tuple[str, str]]:
+        import ray
+
+        from cluster import expert_router
+
+        world = self.spec.expert_parallel
+        idx = range(g * world, (g + 1) * world)
+        old = [self.decodes[i] for i in idx]
+        for w in old:  # the survivors are killed on purpose: their deaths are not deaths
+            self._healer.retire(w.load.worker_id)
+            w.load.alive = False
+        new = [self._spawn("decode", self._next_id("decode"), self._ep_config("decode", i)) for i in idx]
+
+        def build() -> Any:
+            self.expert_routers[g].stop()
+            for w in old:
+                ray.kill(w.actor)
+            try:
+                self._await_started(new, stats=False)
+                router = expert_router.form_group(self.spec, self._text_config, [w.actor for w in new], g,
+                                                  self._dtype_bytes)
+                self._await_started(new, ping=False)
+            except BaseException:
+                for w in new:
+                    ray.kill(w.actor)
+                raise
+            return router
+
+        router = await asyncio.to_thread(build)
+        for i, w in zip(idx, new, strict=True):
+            self._install("decode", i, w)
+        self.expert_routers[g] = router
+        router.start()
+        return [(o.load.worker_id, n.load.worker_id) for o, n in zip(old, new, strict=True)]
+
+    def _ep_config(self, role: str, i: int) -> dict | None:
+        return self._ep_configs[i] if role == "decode" and i < len(self._ep_configs) else None
+
+    def _await_started(self, workers: list[_Worker], *, ping: bool = True, stats: bool = True) -> None:
+        """Blocking (call it on a thread): wait for ``workers`` to answer, then read each decode worker's free
+        blocks. Bounded by ``HealPolicy.start_timeout_s``."""
+        import ray
+
+        timeout = self._healer.policy.start_timeout_s
+        if ping:
+            ray.get([w.actor.ping.remote() for w in workers], timeout=timeout)
+        if stats:
+            for w, s in zip(workers, ray.get([w.actor.stats.remote() for w in workers], timeout=timeout),
+                            strict=True):
+                w.load.free_blocks = messages.unpack(s)["free_blocks"]
+
+    def _install(self, role: str, i: int, new: _Worker) -> None:
+        """Route to ``new`` in place of the worker at ``i`` of its pool (front-end loop)."""
+        import ray
+
+        if self._closing:  # shut down while it started: it must not outlive the cluster
+            ray.kill(new.actor)
+            return
+        pool = self.prefills if role == "prefill" else self.decodes
+        old_id, wid = pool[i].load.worker_id, new.load.worker_id
+        pool[i] = new
+        if role == "decode":
+            self.total_blocks.pop(old_id, None)
+            self.total_blocks[wid] = new.load.free_blocks
+            self._poller_of.pop(old_id, None)
+            task = asyncio.get_running_loop().create_task(self._poll(new))
+            self._pollers.append(task)
+            self._poller_of[wid] = task
 
 
 async def await_ref(ref):

@@ -26,6 +26,7 @@ from typing import Any
 
 from cluster import expert_router, messages
 from cluster.cluster_ops import ClusterOps, await_ref
+from cluster.pool_healer import PoolHealer
 from cluster.router import WorkerLoad, pick_decode, pick_prefill
 from cluster.spec import ClusterSpec
 from cluster.timeline import RequestClock
@@ -101,6 +102,10 @@ class DisaggCluster(ClusterOps):
         self._pinned = 0  # next core for a pinned worker (spec.pin_cpus)
         self.prefills = [self._spawn("prefill", f"prefill-{i}") for i in range(spec.num_prefill)]
         ep_configs = expert_router.worker_configs(spec, cfg.text)
+        self._ep_configs, self._text_config = ep_configs, cfg.text  # a replacement starts with its slot's config
+        self._dtype_bytes = DTYPES[spec.dtype].itemsize
+        self._closing = False
+        self._healer = PoolHealer(spec.heal_policy(), self)  # replaces dead workers (cluster.pool_healer)
         self.decodes = [self._spawn("decode", f"decode-{i}", ep_configs[i]) for i in range(spec.num_decode)]
         ray.get([w.actor.ping.remote() for w in self.prefills + self.decodes], timeout=300)
         # expert-parallel decode groups (none when spec.expert_parallel == 1): formed before any request arrives
@@ -127,6 +132,7 @@ class DisaggCluster(ClusterOps):
         self._thread.start()
         self._pollers = [asyncio.run_coroutine_threadsafe(self._poll(w), self._loop) for w in self.decodes]
         self._poller_of = {w.load.worker_id: f for w, f in zip(self.decodes, self._pollers, strict=True)}
+        self._healing_task = asyncio.run_coroutine_threadsafe(self._healer.run(), self._loop)
 
     # -------------------------------------------------------------------------------------------------- public API
     async def generate(self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None
@@ -249,6 +255,12 @@ class DisaggCluster(ClusterOps):
     def shutdown(self) -> None:
         import ray
 
+        self._closing = True  # the healer sees no members from now on and a replacement starting is killed
+        self._healing_task.cancel()
+        try:
+            asyncio.run_coroutine_threadsafe(self._healer.stop(), self._loop).result(timeout=5)
+        except Exception:  # noqa: BLE001 - a replacement mid-start is killed by _install
+            logger.warning("pool healer did not stop within 5 s")
         for r in self.expert_routers:
             r.stop()
         for w in self.prefills + self.decodes:
@@ -451,6 +463,8 @@ class DisaggCluster(ClusterOps):
                 for rid, owner in list(self._owner.items()):
                     if owner == w.load.worker_id and rid in self._queues:
                         self._queues[rid].put_nowait({"failed": f"decode worker {w.load.worker_id} died"})
+                if not self._closing and w.load.worker_id not in self._draining:
+                    self._healer.report_death("decode", w, f"poll failed: {type(e).__name__}")
                 return
             w.load.free_blocks = msg["free_blocks"]
             for ev in msg["events"]:

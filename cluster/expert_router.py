@@ -196,20 +196,25 @@ def worker_configs(spec: ClusterSpec, text: TextConfig) -> list[dict | None]:
 def form_groups(spec: ClusterSpec, text: TextConfig, actors: list[Any], dtype_bytes: int) -> list[ExpertRouter]:
     """Join consecutive runs of ``spec.expert_parallel`` decode actors into groups (rank 0 hosts the rendezvous;
     all ranks join at once, bounded by the group timeout) and return one router per group, not yet started."""
-    import ray
-
     if spec.expert_parallel == 1:
         return []
-    routers = []
+    world = spec.expert_parallel
+    return [form_group(spec, text, actors[g * world:(g + 1) * world], g, dtype_bytes)
+            for g in range(spec.num_decode // world)]
+
+
+def form_group(spec: ClusterSpec, text: TextConfig, members: list[Any], g: int, dtype_bytes: int) -> ExpertRouter:
+    """Join ``members`` (fresh decode actors of ranks 0..world-1, started with :func:`worker_configs`'s configs
+    for group ``g``) into group ``g`` and return its router, not yet started. Also re-forms a group that lost a
+    member (:mod:`cluster.pool_healer`): the group starts again from the static placement under a new key."""
+    import ray
+
+    timeout = spec.expert_group_timeout_s + 30
+    where = messages.unpack(ray.get(members[0].ep_host.remote(spec.expert_group_host), timeout=timeout))
+    key = f"g{g}-{uuid.uuid4().hex[:8]}"
+    for reply in ray.get([a.ep_join.remote(where["host"], where["port"], key) for a in members], timeout=timeout):
+        messages.unpack(reply)  # raises GroupUnavailable of a rank that could not join
     policy = RebalancePolicy(interval_s=spec.expert_rebalance_s, max_moves=spec.expert_max_moves)
     per_expert = 3 * text.hidden_size * text.moe_intermediate_size * dtype_bytes
-    timeout = spec.expert_group_timeout_s + 30
-    for g in range(spec.num_decode // spec.expert_parallel):
-        members = actors[g * spec.expert_parallel:(g + 1) * spec.expert_parallel]
-        where = messages.unpack(ray.get(members[0].ep_host.remote(spec.expert_group_host), timeout=timeout))
-        key = f"g{g}-{uuid.uuid4().hex[:8]}"
-        for reply in ray.get([a.ep_join.remote(where["host"], where["port"], key) for a in members], timeout=timeout):
-            messages.unpack(reply)  # raises GroupUnavailable of a rank that could not join
-        routers.append(ExpertRouter(members, initial_placement(spec, text), bytes_per_expert=per_expert,
-                                    policy=policy, name=f"ep-{g}"))
-    return routers
+    return ExpertRouter(members, initial_placement(spec, text), bytes_per_expert=per_expert, policy=policy,
+                        name=f"ep-{g}")

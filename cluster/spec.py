@@ -62,6 +62,13 @@ class ClusterSpec:
     # prefill and decode GPU nodes with duet_prefill / duet_decode); None: any node with the CPUs/GPUs
     prefill_resources: dict | None = None
     decode_resources: dict | None = None
+    # self-healing pools (cluster.pool_healer): a dead worker is respawned with backoff unless it died
+    # respawn_max_deaths times within respawn_window_s (0: never respawn); every live worker is pinged every
+    # health_ping_s and one that does not answer within health_ping_timeout_s counts as dead
+    respawn_max_deaths: int = 3
+    respawn_window_s: float = 60.0
+    health_ping_s: float = 2.0
+    health_ping_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir, "config.json").is_file():
@@ -86,6 +93,7 @@ class ClusterSpec:
         self._check_expert_parallel(cfg.text)
         self._check_expert_tiers(cfg.text)
         self._check_resources()
+        self.heal_policy()  # raises on a bad respawn setting
 
     def _check_expert_parallel(self, text: TextConfig) -> None:
         ep, slots = self.expert_parallel, self.expert_slots_per_worker
@@ -155,6 +163,13 @@ class ClusterSpec:
     def slots_per_worker(self, num_experts: int) -> int:
         """Expert slots per decode worker and MoE layer (expert-parallel groups)."""
         return self.expert_slots_per_worker or -(-num_experts // self.expert_parallel)
+
+    def heal_policy(self):
+        """The :class:`cluster.pool_healer.HealPolicy` of this cluster's pools."""
+        from cluster.pool_healer import HealPolicy
+
+        return HealPolicy(max_deaths=self.respawn_max_deaths, window_s=self.respawn_window_s,
+                          ping_interval_s=self.health_ping_s, ping_timeout_s=self.health_ping_timeout_s)
 
     def compression_policy(self) -> dict | None:
         """The KV compression policy as a dict for the workers (None: uncompressed)."""

@@ -9,7 +9,8 @@ Where each family comes from:
 * per request (:meth:`Metrics.observe_finished`, on the server's loop): TTFT / TPOT / latency / queue histograms,
   KV transfer bytes, wire bytes and seconds per transport; GB/s and compression ratio (bytes / wire bytes) are
   derived from those sums when scraped;
-* the cluster (:meth:`Metrics.attach_cluster`): pool sizes when scraped (front-end counters, no remote call);
+* the cluster (:meth:`Metrics.attach_cluster`): pool sizes, respawns and workers given up by the pool healer
+  when scraped (front-end counters, no remote call);
   per-worker queue depths and KV use, expert balancedness and pre-warm hits from a :class:`ClusterSampler` snapshot
   that a background thread refreshes every ``refresh_s`` (``status()`` is a blocking Ray call, never made on a
   scrape);
@@ -233,8 +234,23 @@ class _ClusterCollector:
         for pool, n in self.cluster.pool_sizes().items():
             pools.add_metric([pool], n)
         yield pools
+        yield from self._healing(self.cluster.healing())
         yield from self._workers(self.sampler.workers)
         yield from self._experts(self.sampler.experts)
+
+    @staticmethod
+    def _healing(h: dict):
+        """The pool healer's counts (:meth:`cluster.cluster_ops.ClusterOps.healing`; front-end state, no remote call)."""
+        respawns = CounterMetricFamily("duet_worker_respawns", "Dead workers replaced by a fresh actor",
+                                       labels=["role"])
+        given_up = GaugeMetricFamily("duet_workers_given_up", "Workers that kept dying and are no longer respawned "
+                                     "(> 0: the pool runs short)", labels=["role"])
+        for role, n in h["respawns"].items():
+            respawns.add_metric([role], n)
+        for role, ids in h["given_up"].items():
+            given_up.add_metric([role], len(ids))
+        yield respawns
+        yield given_up
 
     @staticmethod
     def _workers(rows: list[dict]):

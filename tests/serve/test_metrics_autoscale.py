@@ -69,6 +69,10 @@ class _FakeCluster:
     def pool_sizes(self) -> dict[str, int]:
         return {"prefill": 1, "decode": 2}
 
+    def healing(self) -> dict:
+        return {"respawns": {"prefill": 2, "decode": 1}, "given_up": {"prefill": [], "decode": ["decode-1"]},
+                "respawning": []}
+
 
 def _metrics(cluster: _FakeCluster) -> Metrics:
     m = Metrics(lambda: iter(()), lambda: 0)
@@ -102,6 +106,9 @@ def test_cluster_series_from_snapshot():
     assert _value(text, "duet_worker_alive", worker="decode-1") == 0
     assert _value(text, "duet_kv_utilization", worker="decode-1") is None  # dead: no stale numbers
     assert "duet_expert_" not in text  # no expert parallelism nor tiers: no series
+    assert _value(text, "duet_worker_respawns_total", role="prefill") == 2
+    assert _value(text, "duet_workers_given_up", role="decode") == 1
+    assert _value(text, "duet_workers_given_up", role="prefill") == 0
 
 
 def test_expert_series():
