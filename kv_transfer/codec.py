@@ -15,7 +15,9 @@ tensors travel as raw bytes in their own dtype.
 
 from __future__ import annotations
 
+import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -115,10 +117,30 @@ def block_checksums(payload: torch.Tensor, planes: list[int], num_blocks: int) -
     return sums
 
 
+PARALLEL_CRC_BYTES = 1 << 20  # payloads from here on are checksummed by a thread pool (zlib drops the GIL)
+_crc_pool: ThreadPoolExecutor | None = None
+
+
+def _crc_threads() -> ThreadPoolExecutor:
+    global _crc_pool
+    if _crc_pool is None:
+        _crc_pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="duet-crc")
+    return _crc_pool
+
+
 def chunk_checksums(payload: torch.Tensor, chunk: int) -> list[int]:
-    """crc32 per ``chunk`` bytes of ``payload`` (uint8, any device), the last chunk partial."""
+    """crc32 per ``chunk`` bytes of ``payload`` (uint8, any device), the last chunk partial. A large payload's
+    chunks are split into one contiguous run per thread (crc32 runs at ~2 GB/s a core: on one thread it would
+    cost more than the codec itself)."""
     mv = memoryview(payload.cpu().numpy())
-    return [zlib.crc32(mv[off:off + chunk]) for off in range(0, len(mv), chunk)]
+    offsets = range(0, len(mv), chunk)
+    if len(mv) < PARALLEL_CRC_BYTES:
+        return [zlib.crc32(mv[off:off + chunk]) for off in offsets]
+    pool = _crc_threads()
+    per = -(-len(offsets) // pool._max_workers)
+    runs = [offsets[i:i + per] for i in range(0, len(offsets), per)]
+    parts = pool.map(lambda run: [zlib.crc32(mv[off:off + chunk]) for off in run], runs)
+    return [crc for part in parts for crc in part]
 
 
 def _checksum_unit(codec_meta: dict[str, Any], nbytes: int, num_blocks: int) -> tuple[str, int]:
