@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster import expert_router, messages
+from cluster import expert_router, messages, prompt_wire
 from cluster.cluster_ops import ClusterOps, await_ref
 from cluster.pool_healer import PoolHealer
 from cluster.router import WorkerLoad, pick_decode, pick_prefill
@@ -33,7 +33,6 @@ from cluster.timeline import RequestClock
 from engine import SamplingParams
 from engine.config import DTYPES, ModelConfig
 from engine.errors import DuetError, OutOfBlocksError
-from engine.image_processor import load_image
 from engine.inputs import InputProcessor, image_processor_for
 from engine.tokenizer import Tokenizer
 
@@ -211,11 +210,11 @@ class DisaggCluster(ClusterOps):
         return _Worker(WorkerLoad(worker_id), actor)
 
     def _prepare(self, prompt: Any) -> tuple[Any, dict]:
-        """Validate and tokenize once; returns the processed prompt and its wire form (ids + PNG images)."""
+        """Validate, tokenize, decode and preprocess the images once; returns the processed prompt and its wire
+        forms (:mod:`cluster.prompt_wire`): ``{"prefill": with pixels, "decode": without any image data}``."""
         p = self.inputs.process(prompt)
-        raw = prompt.get("multi_modal_data", {}).get("image") if p.mm is not None else None
-        images = [] if raw is None else list(raw) if isinstance(raw, list | tuple) else [raw]
-        return p, messages.prompt_to_wire(p.token_ids, [load_image(i) for i in images])
+        return p, {"prefill": prompt_wire.prompt_to_wire(p, for_encoder=True),
+                   "decode": prompt_wire.prompt_to_wire(p, for_encoder=False)}
 
     async def _serve(self, p: Any, wire: dict, params: SamplingParams, request_id: str | None
                      ) -> AsyncIterator[dict]:
@@ -339,11 +338,12 @@ class DisaggCluster(ClusterOps):
         self._owner[rid] = decode.load.worker_id
         decode.inflight += 1
         pw.inflight += 1
-        body = dict(request_id=rid, prompt=wire, params=messages.params_to_dict(params))
+        body = dict(request_id=rid, params=messages.params_to_dict(params))
         where = {"decode": decode.load.worker_id, "prefill": prefill.worker_id}
         try:
             try:
-                reply = messages.unpack(await _remote(decode.actor.allocate, messages.pack(**body), deadline))
+                to_decode = messages.pack(**body, prompt=wire["decode"])  # no image data: decode never encodes
+                reply = messages.unpack(await _remote(decode.actor.allocate, to_decode, deadline))
             except ray.exceptions.RayActorError:
                 decode.load.alive = False
                 yield {"failed": f"decode worker {decode.load.worker_id} is gone", **where}
@@ -351,7 +351,8 @@ class DisaggCluster(ClusterOps):
             decode.load.free_blocks = reply["free_blocks"]
             prefill.outstanding_tokens += len(p.token_ids)
             try:
-                messages.unpack(await _remote(pw.actor.submit, messages.pack(**body, lease=reply["lease"]), deadline))
+                to_prefill = messages.pack(**body, prompt=wire["prefill"], lease=reply["lease"])
+                messages.unpack(await _remote(pw.actor.submit, to_prefill, deadline))
             except ray.exceptions.RayActorError:
                 prefill.alive = False
                 decode.actor.abort.remote(rid)

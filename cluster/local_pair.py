@@ -1,7 +1,9 @@
 """A prefill and a decode worker in one process, linked by the in-process transport (no Ray).
 
 The full disaggregated data path -- prefill, per-layer export, codec, frames, checksums, receive, commit, decode --
-without actors: for tests and for benchmarks that need many runs of the wire (``duet bench kv-codec``).
+without actors: for tests and for benchmarks that need many runs of the wire (``duet bench kv-codec``). Each prompt is
+processed once, as the front-end does, and reaches each worker through its msgpack wire form
+(:mod:`cluster.prompt_wire`: pixels to the prefill worker, no image data to the decode worker).
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cluster import messages, prompt_wire
 from decode_node.expert_tiers import TierConfig
 from decode_node.worker import DecodeWorker
 from engine import EngineConfig, RequestOutput, SamplingParams
+from engine.inputs import InputProcessor, ProcessedPrompt
 from kv_transfer.inproc.manager import Manager as InprocManager
 from prefill_node.worker import PrefillWorker
 
@@ -29,6 +33,8 @@ class LocalPair:
         self.prefill = PrefillWorker(model_dir, config, stream_layers=stream_layers, compression=compression)
         self.decode = DecodeWorker(model_dir, config, self.decode_manager, compression=compression,
                                    expert_tiers=expert_tiers)
+        e = self.prefill.engine
+        self.inputs = InputProcessor(e.model_config, e.tokenizer, e.image_processor, e.max_model_len)  # front-end's
         self._ids = itertools.count()
 
     def generate(self, prompts: list[Any], params: SamplingParams | list[SamplingParams], *,
@@ -51,8 +57,9 @@ class LocalPair:
         while todo or self.prefill.has_work() or self.decode.has_work():
             while todo and len(in_prefill) < window:
                 rid, p, sp = todo.pop()
-                lease = self.decode.allocate(rid, p, sp)
-                self.prefill.submit(rid, p, sp, self.prefill_manager.sender(lease, codec=self.prefill.codec))
+                to_prefill, to_decode = self.wire(p)
+                lease = self.decode.allocate(rid, to_decode, sp)
+                self.prefill.submit(rid, to_prefill, sp, self.prefill_manager.sender(lease, codec=self.prefill.codec))
                 in_prefill.add(rid)
             if time.monotonic() > deadline:
                 for rid in rids:
@@ -70,6 +77,13 @@ class LocalPair:
             if not self.prefill.has_work() and self.decode.receivers:
                 next(iter(self.decode.receivers.values())).wait(0.05)
         return [final.get(rid) for rid in rids], failed
+
+    def wire(self, prompt: Any) -> tuple[ProcessedPrompt, ProcessedPrompt]:
+        """``prompt`` processed once (the front-end's pass; a :class:`ProcessedPrompt` is taken as it is) and as each
+        worker receives it: (prefill's, decode's)."""
+        p = prompt if isinstance(prompt, ProcessedPrompt) else self.inputs.process(prompt)
+        return tuple(prompt_wire.prompt_from_wire(messages.unpack(messages.pack(
+            prompt=prompt_wire.prompt_to_wire(p, for_encoder=enc)))["prompt"]) for enc in (True, False))
 
     def close(self) -> None:
         if self.decode.tiers is not None:

@@ -1,18 +1,17 @@
 """Control-plane messages between the front-end and the worker actors: msgpack maps with a version field.
 
-Ray carries them as ``bytes``; nothing crossing a process boundary is pickled by Duet. Images travel as PNG bytes,
-sampling parameters as a plain map, errors as ``{"error": {"type": ClassName, "message": str}}`` and are re-raised
+Ray carries them as ``bytes``; nothing crossing a process boundary is pickled by Duet. Prompts travel processed
+(:mod:`cluster.prompt_wire`: token ids, image hashes, pixels only to the prefill worker), sampling parameters as a
+plain map, errors as ``{"error": {"type": ClassName, "message": str}}`` and are re-raised
 as the same typed exception on the receiving side.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 from typing import Any
 
 import msgpack
-from PIL import Image
 
 from engine import SamplingParams, errors
 
@@ -56,21 +55,3 @@ def params_to_dict(p: SamplingParams) -> dict:
 
 def params_from_dict(d: dict) -> SamplingParams:
     return SamplingParams(**d)
-
-
-def image_to_bytes(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def prompt_to_wire(token_ids: list[int], images: list[Image.Image]) -> dict:
-    return {"prompt_token_ids": list(token_ids), "images": [image_to_bytes(i) for i in images]}
-
-
-def prompt_from_wire(d: dict) -> dict:
-    """The engine's prompt dict (images decoded by the engine's ``load_image`` from their bytes)."""
-    prompt: dict = {"prompt_token_ids": list(d["prompt_token_ids"])}
-    if d.get("images"):
-        prompt["multi_modal_data"] = {"image": list(d["images"])}
-    return prompt

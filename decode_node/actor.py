@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 
-from cluster import messages
+from cluster import messages, prompt_wire
 from cluster.worker_actor import WorkerActorBase
 from decode_node.expert_group import ExpertGroup, host_store
 from decode_node.expert_parallel import ExpertParallelConfig
@@ -96,7 +96,7 @@ class DecodeActor(WorkerActorBase):
         try:
             m = messages.unpack(msg)
             with self.lock:
-                lease = self.worker.allocate(m["request_id"], messages.prompt_from_wire(m["prompt"]),
+                lease = self.worker.allocate(m["request_id"], prompt_wire.prompt_from_wire(m["prompt"]),
                                              messages.params_from_dict(m["params"]))
                 self.sent[m["request_id"]] = 0
         except (DuetError, ValueError, KeyError) as e:

@@ -14,6 +14,14 @@ its loop calls :meth:`DecodeWorker.group_step` (one lockstep tick of the group) 
 With ``expert_tiers`` (not with ``expert_parallel``) only some experts stay on the device
 (:mod:`decode_node.expert_tiers`): committed requests' routing hints, and their departures, go to its pre-warm policy.
 
+Prompts arrive processed (:mod:`cluster.prompt_wire`) and carry no image data: token ids, the images' content
+hashes (this pool's prefix-cache block hashes key images by content, as the prefill side's do) and placeholder
+positions, and the M-RoPE delta. So the decode side never recomputes an image prompt: when a preemption (pool full)
+evicts a running request whose prompt has images, the engine drops it (``LLMEngine.cannot_recompute``) and this
+worker fails it with :class:`PromptRecomputeUnavailable` -- a failure the front-end retries on another pair, like a
+failed transfer. Keeping the pixels (or a reference to the prefill worker's) for a rare preemption would put image
+data back on the decode wire for every request. Text-only prompts recompute here as before.
+
 Threading: ``poll_transfers``/``step``/``group_step`` run on the worker's loop; the transport's thread only calls the
 sink, which writes under ``recv_lock`` and only while the request is still receiving, so a released block is never
 written.
@@ -34,7 +42,7 @@ from decode_node.expert_group import GroupUnavailable, TickPlan
 from decode_node.expert_parallel import ExpertParallel, ExpertParallelConfig
 from decode_node.expert_tiers import ExpertTiers, TierConfig
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from engine.errors import InvalidRequestError
+from engine.errors import DuetError, InvalidRequestError
 from kv_transfer import (
     KVLayout,
     KVManager,
@@ -48,6 +56,10 @@ from kv_transfer.compression import CompressionPolicy, resolve_policy
 from kv_transfer.handoff import Handoff, check_mrope_delta
 
 logger = logging.getLogger(__name__)
+
+
+class PromptRecomputeUnavailable(DuetError):
+    """A preempted image prompt cannot be recomputed on the decode side (it holds no pixels); retry elsewhere."""
 
 
 @dataclass
@@ -199,6 +211,7 @@ class DecodeWorker:
             t0 = time.perf_counter()
             report.outputs.extend(self.engine.step())
             self.step_s += time.perf_counter() - t0
+            self._fail_unrecomputable(report)
         done = [o.request_id for o in report.outputs if o.finished]
         if self.tiers is not None and done:
             self.tiers.on_requests([], done)
@@ -222,6 +235,7 @@ class DecodeWorker:
             if plan.any_work and not plan.stop:
                 if self.engine.has_unfinished_requests():
                     report.outputs.extend(self.engine.step())
+                    self._fail_unrecomputable(report)
                 self.ep.end_tick()
         except Exception as e:  # any failure mid-tick desynchronises the group for good
             logger.exception("expert-parallel tick failed")
@@ -229,6 +243,17 @@ class DecodeWorker:
             self._fail_all(report, self.ep.broken)
             return report, None
         return report, plan
+
+    def _fail_unrecomputable(self, report: StepReport) -> None:
+        """Fail the image prompts the engine dropped on preemption (see the module docstring)."""
+        dropped, self.engine.cannot_recompute = self.engine.cannot_recompute, []
+        for rid in dropped:
+            e = PromptRecomputeUnavailable(f"request {rid} was preempted on the decode worker, which holds no pixels "
+                                           "to recompute its image prompt")
+            logger.warning("%s", e)
+            report.failed[rid] = f"{type(e).__name__}: {e}"
+        if dropped and self.tiers is not None:
+            self.tiers.on_requests([], dropped)
 
     def _fail_all(self, report: StepReport, reason: str) -> None:
         done = {o.request_id for o in report.outputs if o.finished}

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import PIL.Image
+import torch
 
 from engine.config import ModelConfig
 from engine.errors import (
@@ -44,6 +45,10 @@ _IMAGE_SOURCES = (PIL.Image.Image, bytes, bytearray, memoryview, str, os.PathLik
 
 @dataclass
 class ProcessedPrompt:
+    """A validated prompt: its token ids (placeholders expanded) and images (:class:`MultiModalInput`). The engine
+    takes one as it is (``LLMEngine.add_request`` / ``preallocate``, checked by :meth:`InputProcessor.check_processed`),
+    so a prompt processed once elsewhere is neither re-tokenized nor its images re-decoded."""
+
     prompt: str | None
     token_ids: list[int]
     mm: MultiModalInput | None
@@ -96,6 +101,52 @@ class InputProcessor:
                 f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} (prompt plus generated tokens)")
         mm = self._mm(ids, images) if counts is None else self._mm_qwen(ids, images, counts)
         return ProcessedPrompt(text if isinstance(text, str) else None, ids, mm)
+
+    def check_processed(self, p: ProcessedPrompt) -> ProcessedPrompt:
+        """Check a prompt processed elsewhere against this engine (context length, vocabulary, placeholders vs the
+        images' positions, counts and grids, pixel shapes); O(prompt length), no tokenizing, no pixel work. Raises
+        the same typed :class:`InvalidRequestError` subclasses as :meth:`process`."""
+        ids = self._check_ids(p.token_ids)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} (prompt plus generated tokens)")
+        is_img = np.asarray(ids, dtype=np.int64) == self.cfg.image_token_index
+        mm = p.mm
+        if mm is None:
+            if self.cfg.vision is not None and is_img.any():
+                raise ImageTokenMismatchError(f"prompt has {int(is_img.sum())} image tokens but no images")
+            return ProcessedPrompt(p.prompt, ids, None)
+        if self.cfg.vision is None:
+            raise InvalidRequestError("this model has no vision tower; it cannot take images")
+        counts = list(mm.token_counts or [])
+        if (len(counts) != len(mm.image_hashes) or not np.array_equal(mm.positions, np.flatnonzero(is_img))
+                or sum(counts) != len(mm.positions)):
+            raise ImageTokenMismatchError(f"the prompt's {int(is_img.sum())} image tokens do not match its "
+                                          f"{len(mm.image_hashes)} image(s) of {counts} tokens")
+        if self.cfg.is_qwen_vl:
+            self._check_qwen_mm(mm, counts, len(ids))
+        elif counts != [self.cfg.tokens_per_image] * len(counts):
+            raise ImageTokenMismatchError(f"images of {counts} tokens; this model takes {self.cfg.tokens_per_image} each")
+        pixels = mm.pixel_values
+        if isinstance(pixels, torch.Tensor):
+            rows = len(counts) if mm.grid_thw is None else int(mm.grid_thw.prod(axis=1).sum())
+            if pixels.shape[0] != rows:
+                raise InvalidRequestError(f"pixel values hold {pixels.shape[0]} rows for images that need {rows}")
+        return ProcessedPrompt(p.prompt, ids, mm)
+
+    def _check_qwen_mm(self, mm: MultiModalInput, counts: list[int], n: int) -> None:
+        processor = self.image_processor
+        assert isinstance(processor, QwenVLImageProcessor)
+        grid = None if mm.grid_thw is None else np.asarray(mm.grid_thw)
+        if grid is None or grid.shape != (len(counts), 3) or (grid.prod(axis=1) // processor.merge_size**2).tolist() != counts:
+            raise ImageTokenMismatchError(f"image grids {None if grid is None else grid.tolist()} do not give the "
+                                          f"prompt's {counts} visual tokens")
+        if mm.mrope is not None and tuple(mm.mrope.shape) != (3, n):
+            raise InvalidRequestError(f"M-RoPE positions of shape {tuple(mm.mrope.shape)} for a {n}-token prompt")
+        if mm.mrope is None and mm.pixel_values is not None:
+            raise InvalidRequestError("a prompt with pixels to encode needs its M-RoPE positions")
 
     def _images(self, mm_data: dict) -> list:
         if isinstance(mm_data, dict) and "video" in mm_data:

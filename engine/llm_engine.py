@@ -18,7 +18,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_tuning import tune_malloc
 from engine.errors import CheckpointError, InvalidRequestError, OutOfBlocksError
-from engine.inputs import InputProcessor, image_processor_for
+from engine.inputs import InputProcessor, ProcessedPrompt, image_processor_for
 from engine.model import LlavaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -64,6 +64,8 @@ class LLMEngine:
         # Prefill workers set this: called after each layer with sequences whose prompt KV for it is complete.
         self.kv_exporter: Callable[[int, list[Sequence]], None] | None = None
         self.receiving: dict[str, Sequence] = {}
+        # ids of requests dropped on preemption (no pixels here to recompute their prompt); the owner drains it
+        self.cannot_recompute: list[str] = []
 
     def _size_pool(self) -> tuple[int, int]:
         c, t = self.config, self.model_config.text
@@ -83,8 +85,15 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Validate and queue a request. Raises InvalidRequestError (subclasses) and changes nothing on bad input."""
+        """Validate and queue a request. Raises InvalidRequestError (subclasses) and changes nothing on bad input.
+
+        ``prompt`` is anything :meth:`InputProcessor.process` takes, or a :class:`ProcessedPrompt` processed once
+        elsewhere (a front-end's): that one is only checked (:meth:`InputProcessor.check_processed`), never
+        re-tokenized nor its images re-decoded."""
         seq = self._new_sequence(request_id, prompt, params or SamplingParams(), arrival_time)
+        if seq.mm is not None and not seq.mm.can_encode:
+            raise InvalidRequestError(f"request {request_id!r}: its images carry no pixels here, so its prompt cannot "
+                                      "be computed (such a prompt can only be preallocated for a transfer)")
         if seq.params.seed is not None:
             seq.generator = torch.Generator().manual_seed(seq.params.seed)
         self.requests[request_id] = seq
@@ -94,7 +103,7 @@ class LLMEngine:
                       arrival_time: float | None = None) -> Sequence:
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        p = self.inputs.process(prompt)
+        p = self.inputs.check_processed(prompt) if isinstance(prompt, ProcessedPrompt) else self.inputs.process(prompt)
         return Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(p.token_ids),
                         num_prompt_tokens=len(p.token_ids), params=params, block_size=self.config.block_size,
                         prompt=p.prompt, mm=p.mm, metrics=RequestMetrics(arrival_time or time.perf_counter()),
@@ -120,6 +129,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self.runner.release(seq)
+            if seq.mm is not None and not seq.mm.can_encode:
+                self._drop_unrecomputable(seq)
         if sched.empty:
             return []
         now = time.perf_counter()
@@ -147,6 +158,14 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
             outputs.append(self.make_output(seq))
         return outputs
+
+    def _drop_unrecomputable(self, seq: Sequence) -> None:
+        """A preempted prompt whose images this process has no pixels for cannot be recomputed: end it (``abort``)
+        and list it in :attr:`cannot_recompute` for the owner to fail (a decode worker retries it elsewhere)."""
+        self._finish(seq, "abort")
+        seq.metrics.finished_time = time.perf_counter()
+        self.requests.pop(seq.request_id, None)
+        self.cannot_recompute.append(seq.request_id)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -179,6 +198,7 @@ class LLMEngine:
 
         The request waits in ``receiving`` (not scheduled) until :meth:`commit_prefilled` or
         :meth:`release_prefill`. Raises OutOfBlocksError (nothing reserved) when the pool cannot hold the prompt now.
+        ``prompt`` may be a :class:`ProcessedPrompt` (see :meth:`add_request`), with or without pixels.
         """
         seq = self._new_sequence(request_id, prompt, params or SamplingParams())
         if not self.block_manager.can_allocate(seq, [], seq.num_tokens):

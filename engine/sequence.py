@@ -33,14 +33,17 @@ class MultiModalInput:
 
     ``pixel_values`` may be given as a function that computes them: :meth:`pixels` calls it once, when the vision
     tower first needs them. A worker that receives a prompt's KV from another never does (unless a preemption makes
-    it recompute the prompt), so it never pays for resizing and normalising the images.
+    it recompute the prompt), so it never pays for resizing and normalising the images. ``pixel_values`` is None
+    where the process holds no image data at all (a decode worker given a processed prompt): such a prompt cannot
+    be recomputed there (:attr:`can_encode`), and the engine drops it on preemption (``LLMEngine.cannot_recompute``).
 
     Qwen3-VL images (``grid_thw`` set) each have their own token count (``token_counts``); ``pixel_values`` are then
     every image's patches concatenated ``[sum t*h*w, C*T*p*p]``, ``mrope`` holds the prompt's 3-D M-RoPE positions
     and ``mrope_delta`` the offset of generated positions (:mod:`engine.mrope`); ``deepstack`` the DeepStack
     features of the image tokens ``[levels, N tokens, hidden]``, computed with ``features``."""
 
-    pixel_values: torch.Tensor | Callable[[], torch.Tensor]  # [N, C, H, W] / [patches, dim], or what computes them
+    pixel_values: torch.Tensor | Callable[[], torch.Tensor] | None  # [N, C, H, W] / [patches, dim], what computes
+    # them, or None (no image data in this process)
     image_hashes: list[bytes]
     positions: np.ndarray  # [sum token_counts] int64, sorted
     tokens_per_image: int  # LLaVA: every image's count; Qwen3-VL: 0 (see token_counts)
@@ -56,7 +59,14 @@ class MultiModalInput:
         self.token_counts = list(counts)
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # image i: rows [s_i, s_i+1)
 
+    @property
+    def can_encode(self) -> bool:
+        """Whether this process can (re)compute the prompt: features already computed, or pixels to compute them."""
+        return self.features is not None or self.pixel_values is not None
+
     def pixels(self) -> torch.Tensor:
+        if self.pixel_values is None:
+            raise RuntimeError("this prompt's images carry no pixels here (a decode worker's processed prompt)")
         if callable(self.pixel_values):
             self.pixel_values = self.pixel_values()
         return self.pixel_values

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 
-from cluster import messages
+from cluster import messages, prompt_wire
 from cluster.worker_actor import WorkerActorBase
 from engine import EngineConfig
 from engine.errors import DuetError
@@ -39,7 +39,7 @@ class PrefillActor(WorkerActorBase):
             with self.lock:
                 sender = self.manager.sender(lease, codec=self.worker.codec)
                 try:
-                    self.worker.submit(m["request_id"], messages.prompt_from_wire(m["prompt"]),
+                    self.worker.submit(m["request_id"], prompt_wire.prompt_from_wire(m["prompt"]),
                                        messages.params_from_dict(m["params"]), sender)
                 except BaseException:
                     sender.abort("prefill rejected the request")

@@ -61,7 +61,9 @@ class PrefillWorker:
 
     # ----------------------------------------------------------------------------------------------------- requests
     def submit(self, request_id: str, prompt: Any, params: SamplingParams, sender: KVSender) -> None:
-        """Queue a prompt; its KV goes to ``sender``. Raises the engine's typed errors (nothing queued)."""
+        """Queue a prompt; its KV goes to ``sender``. ``prompt`` is the front-end's processed prompt
+        (:mod:`cluster.prompt_wire`: token ids, hashes, preprocessed pixels; neither re-tokenized nor re-decoded
+        here) or anything the engine takes. Raises the engine's typed errors (nothing queued)."""
         first_only = dataclasses.replace(params, max_tokens=None, return_logits=False)
         self.engine.add_request(request_id, prompt, first_only)
         if self.faults.corrupt_next > 0:
