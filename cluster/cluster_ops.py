@@ -21,9 +21,12 @@ logger = logging.getLogger("cluster.disagg")
 
 class ClusterOps:
     def status(self, timeout_s: float = 5.0) -> list[dict]:
-        """One dict per worker: ``worker_id, role, alive`` and the worker's own counters (prefill:
-        ``outstanding_tokens, waiting, running, free_blocks``; decode: ``free_blocks, receiving, running,
-        total_blocks``). A worker that does not answer within ``timeout_s`` is reported with ``alive=False``."""
+        """One dict per worker: ``worker_id, role, alive`` and the worker's own counters (prefill: ``waiting,
+        running, free_blocks``, and ``prompt_tokens`` / ``cached_tokens`` of the prompts it finished; decode:
+        ``free_blocks, receiving, running, total_blocks``). Prefill rows also carry the front-end's view:
+        ``outstanding_tokens`` (its load signal, :mod:`cluster.router`), ``placed_prompt_tokens`` and
+        ``predicted_cached_tokens``. A worker that does not answer within ``timeout_s`` is reported with
+        ``alive=False``."""
         import ray
 
         workers = [("prefill", w) for w in self.prefills] + [("decode", w) for w in self.decodes]
@@ -39,10 +42,26 @@ class ClusterOps:
                     pass
             if role == "decode":
                 row["total_blocks"] = self.total_blocks.get(w.load.worker_id, 0)
+            else:
+                row.update(outstanding_tokens=w.prefill_tokens, placed_prompt_tokens=w.placed_tokens,
+                           predicted_cached_tokens=w.predicted_cached_tokens)
             if not row["alive"] and (healing := self._healer.state_of(w.load.worker_id)) is not None:
                 row["healing"] = healing  # "respawning" or "given_up" (cluster.pool_healer)
             out.append(row)
         return out
+
+    @staticmethod
+    def prefix_summary(rows: list[dict]) -> dict:
+        """Prefix-cache hits over the prefill workers of :meth:`status` ``rows``: ``hit_rate`` = cached / prompt
+        tokens as the workers counted them (prompts finished), ``predicted_hit_rate`` = the router's prediction over
+        the prompts it placed (None before any prompt)."""
+        pre = [r for r in rows if r["role"] == "prefill"]
+        prompt, cached = sum(r.get("prompt_tokens", 0) for r in pre), sum(r.get("cached_tokens", 0) for r in pre)
+        placed = sum(r.get("placed_prompt_tokens", 0) for r in pre)
+        predicted = sum(r.get("predicted_cached_tokens", 0) for r in pre)
+        return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else None,
+                "placed_prompt_tokens": placed, "predicted_cached_tokens": predicted,
+                "predicted_hit_rate": predicted / placed if placed else None}
 
     def expert_summary(self) -> dict | None:
         """The expert-parallel groups' ``{"placement_changes", "balancedness", "prewarm_hits", "prewarm_misses"}``
@@ -136,7 +155,7 @@ class ClusterOps:
         if len(open_) < 2:
             raise InvalidRequestError(f"cannot drain the last {role} worker")
         if worker_id is None:
-            key = (lambda w: w.load.outstanding_tokens) if role == "prefill" else (lambda w: -w.load.free_blocks)
+            key = (lambda w: w.prefill_tokens) if role == "prefill" else (lambda w: -w.load.free_blocks)
             w = min(open_, key=key)
         else:
             w = next((x for x in open_ if x.load.worker_id == worker_id), None)

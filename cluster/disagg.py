@@ -27,12 +27,13 @@ from typing import Any
 from cluster import expert_router, messages, prompt_wire
 from cluster.cluster_ops import ClusterOps, await_ref
 from cluster.pool_healer import PoolHealer
-from cluster.router import WorkerLoad, pick_decode, pick_prefill
+from cluster.router import PrefillLoad, PrefixIndex, WorkerLoad, cached_prefix_tokens, pick_decode, pick_prefill
 from cluster.spec import ClusterSpec
 from cluster.timeline import RequestClock
 from engine import SamplingParams
 from engine.config import DTYPES, ModelConfig
-from engine.errors import DuetError, OutOfBlocksError
+from engine.errors import DuetError, OutOfBlocksError, is_retryable
+from engine.sequence import Sequence
 from engine.inputs import InputProcessor, image_processor_for
 from engine.tokenizer import Tokenizer
 
@@ -48,9 +49,13 @@ SPEED_EWMA = 0.2  # weight of the newest submit-to-first-token sample in a prefi
 class TransferFailedError(DuetError):
     """The request's KV could not be moved to a decode worker, even after a retry."""
 
+    code = "transfer_failed"
+
 
 class RequestTimeoutError(DuetError):
     """The request did not finish before its deadline."""
+
+    code = "request_timeout"
 
 
 @dataclass
@@ -58,8 +63,13 @@ class _Worker:
     load: WorkerLoad
     actor: Any
     inflight: int = 0  # requests placed on this worker and not yet finished (a drain waits for 0)
-    prefill_tokens: int = 0  # prefill workers: prompt tokens admitted and not yet past their first token
+    # prefill workers: THE load signal (cluster.router): prompt tokens admitted and not yet past their first token,
+    # less those predicted to come from its prefix cache
+    prefill_tokens: int = 0
     s_per_token: float | None = None  # prefill workers: measured seconds from submit to first token per token queued
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)  # prefill workers: block hashes its cache holds
+    placed_tokens: int = 0  # prefill workers: prompt tokens placed here, and those predicted cached (hit rate)
+    predicted_cached_tokens: int = 0
 
 
 @dataclass
@@ -107,6 +117,7 @@ class DisaggCluster(ClusterOps):
         self._healer = PoolHealer(spec.heal_policy(), self)  # replaces dead workers (cluster.pool_healer)
         self.decodes = [self._spawn("decode", f"decode-{i}", ep_configs[i]) for i in range(spec.num_decode)]
         ray.get([w.actor.ping.remote() for w in self.prefills + self.decodes], timeout=300)
+        self.inputs.max_model_len = self._agree_max_model_len()  # the front-end's limits use the workers' value
         # expert-parallel decode groups (none when spec.expert_parallel == 1): formed before any request arrives
         try:
             self.expert_routers = expert_router.form_groups(spec, cfg.text, [w.actor for w in self.decodes],
@@ -242,6 +253,8 @@ class DisaggCluster(ClusterOps):
             tried_p.add(failure["prefill"])
             logger.warning("request %s failed on %s/%s (%s); retrying", rid, failure["prefill"], failure["decode"],
                            failure["failed"])
+        if "error" in failure:  # a typed error that another pair could not avoid either: the client gets that type
+            raise failure["error"]
         raise TransferFailedError(f"request {base_id} failed after a retry: {failure['failed']}")
 
     def generate_batch(self, prompts: list[Any], params: SamplingParams | list[SamplingParams] | None = None,
@@ -317,20 +330,16 @@ class DisaggCluster(ClusterOps):
                        exclude_p: frozenset[str], deadline: float) -> AsyncIterator[dict]:
         blocks = -(-len(p.token_ids) // self.spec.block_size)
         self._pick_decode(blocks, exclude_d)  # fail fast when no decode worker could ever hold it
-        loads = [w.load for w in self.prefills if w.load.worker_id not in self._draining]
-        prefill = pick_prefill(loads, exclude=exclude_p) or pick_prefill(loads)
-        if prefill is None:
-            raise TransferFailedError("no live prefill worker")
-        pw = next(w for w in self.prefills if w.load is prefill)
         import ray
 
-        n_prompt = len(p.token_ids)
-        await self._admit_prefill(pw, n_prompt, rid, deadline)
+        hashes = self._block_hashes(p)
+        pw, charged = await self._admit_prefill(len(p.token_ids), hashes, rid, deadline, exclude_p)
+        prefill = pw.load
         admitted = True
         try:
             decode = self._pick_decode(blocks, exclude_d)  # after the wait: free blocks may have changed
         except BaseException:
-            self._release_prefill(pw, n_prompt)
+            self._release_prefill(pw, charged)
             raise
 
         queue: asyncio.Queue = asyncio.Queue()
@@ -348,18 +357,26 @@ class DisaggCluster(ClusterOps):
                 decode.load.alive = False
                 yield {"failed": f"decode worker {decode.load.worker_id} is gone", **where}
                 return
+            except Exception as e:  # noqa: BLE001 - a typed error another pair may avoid is retried there
+                if not is_retryable(e):
+                    raise
+                yield {"failed": f"{type(e).__name__}: {e}", "error": e, **where}
+                return
             decode.load.free_blocks = reply["free_blocks"]
-            prefill.outstanding_tokens += len(p.token_ids)
             try:
                 to_prefill = messages.pack(**body, prompt=wire["prefill"], lease=reply["lease"])
-                messages.unpack(await _remote(pw.actor.submit, to_prefill, deadline))
+                pw.prefix.add(messages.unpack(await _remote(pw.actor.submit, to_prefill, deadline))["registered"])
             except ray.exceptions.RayActorError:
                 prefill.alive = False
                 decode.actor.abort.remote(rid)
                 yield {"failed": f"prefill worker {prefill.worker_id} is gone", **where}
                 return
-            finally:
-                prefill.outstanding_tokens -= len(p.token_ids)
+            except Exception as e:  # noqa: BLE001 - as for allocate: retryable ones go to another pair
+                if not is_retryable(e):
+                    raise
+                decode.actor.abort.remote(rid)
+                yield {"failed": f"{type(e).__name__}: {e}", "error": e, **where}
+                return
             submitted, queued = time.monotonic(), pw.prefill_tokens  # queued: this prompt and those ahead of it
             placement: dict | None = {"accepted_at": time.monotonic(), **{f"{k}_worker": v for k, v in where.items()}}
             while True:
@@ -372,7 +389,8 @@ class DisaggCluster(ClusterOps):
                     return
                 if admitted and item.get("token_ids"):
                     self._observe_prefill(pw, time.monotonic() - submitted, queued)
-                    admitted = self._release_prefill(pw, n_prompt)
+                    admitted = self._release_prefill(pw, charged)
+                    pw.prefix.add(hashes)  # its prefill registered them (the next submit reply confirms)
                 if placement is not None and item.get("token_ids"):
                     item, placement = {**item, "placement": placement}, None
                 yield item
@@ -390,27 +408,64 @@ class DisaggCluster(ClusterOps):
             raise
         finally:
             if admitted:
-                self._release_prefill(pw, n_prompt)
+                self._release_prefill(pw, charged)
             self._queues.pop(rid, None)
             self._owner.pop(rid, None)
             decode.inflight -= 1
             pw.inflight -= 1
 
-    async def _admit_prefill(self, pw: _Worker, tokens: int, rid: str, deadline: float) -> None:
-        """Wait until ``pw`` has room for ``tokens`` more prompt tokens before the decode side reserves blocks: a
+    async def _admit_prefill(self, n_prompt: int, hashes: list[bytes], rid: str, deadline: float,
+                             exclude: frozenset[str]) -> tuple[_Worker, int]:
+        """Place the prompt on a prefill worker once one has room for it (:func:`cluster.router.pick_prefill`:
+        least expected time to first token, its cached prefix free), before the decode side reserves blocks: a
         lease's deadline runs from its allocation, so requests queue here, not in a prefill worker's queue holding
-        one. A prompt larger than the cap is admitted alone."""
+        one. A prompt larger than a worker's cap is admitted to it alone. Returns the worker and the tokens charged
+        to it (give them back with :meth:`_release_prefill`). Workers in ``exclude`` (tried already) are used only
+        when no other is live."""
         loop = asyncio.get_running_loop()
-        while pw.prefill_tokens and pw.prefill_tokens + tokens > self._cap(pw):
-            left = deadline - time.monotonic()
+        while True:
+            live = [w for w in self.prefills if w.load.alive and w.load.worker_id not in self._draining]
+            pool = [w for w in live if w.load.worker_id not in exclude] or live
+            if not pool:
+                raise TransferFailedError("no live prefill worker")
+            loads = [self._prefill_load(w, n_prompt, hashes) for w in pool]
+            pick = pick_prefill(loads, n_prompt)
+            if pick is not None:
+                break
             fut = loop.create_future()
             self._room_waiters.append(fut)
             try:
-                await asyncio.wait_for(fut, timeout=max(0.0, left))
+                await asyncio.wait_for(fut, timeout=max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 raise RequestTimeoutError(f"request {rid} waited {self.spec.request_timeout_s:.0f} s for prefill "
                                           f"capacity") from None
-        pw.prefill_tokens += tokens
+        pw = next(w for w in pool if w.load.worker_id == pick.worker_id)
+        charge = n_prompt - pick.cached_tokens
+        pw.prefill_tokens += charge
+        pw.placed_tokens += n_prompt
+        pw.predicted_cached_tokens += pick.cached_tokens
+        return pw, charge
+
+    def _prefill_load(self, w: _Worker, n_prompt: int, hashes: list[bytes]) -> PrefillLoad:
+        cached = cached_prefix_tokens(w.prefix, hashes, self.spec.block_size)
+        room = not w.prefill_tokens or w.prefill_tokens + n_prompt - cached <= self._cap(w)
+        return PrefillLoad(w.load.worker_id, w.prefill_tokens, w.s_per_token, cached, room)
+
+    def _agree_max_model_len(self) -> int:
+        """The cluster's one ``max_model_len``: the least any worker serves (each caps the configured or model
+        limit by its KV pool), so a prompt the front-end admits fits every worker it may be placed on."""
+        import ray
+
+        rows = ray.get([w.actor.stats.remote() for w in self.prefills + self.decodes], timeout=60)
+        return min(messages.unpack(r)["max_model_len"] for r in rows)
+
+    def _block_hashes(self, p: Any) -> list[bytes]:
+        """The prompt's block hashes a prefill worker's prefix cache would look up (the engine's own
+        :meth:`~engine.sequence.Sequence.block_hash`, image content included; the last token is always computed)."""
+        if not self.spec.extra_engine.get("enable_prefix_caching", True):
+            return []
+        seq = Sequence(0, "", list(p.token_ids), len(p.token_ids), SamplingParams(), self.spec.block_size, mm=p.mm)
+        return [seq.block_hash(i) for i in range((len(p.token_ids) - 1) // self.spec.block_size)]
 
     def _cap(self, pw: _Worker) -> float:
         """Prompt tokens ``pw`` may hold between decode allocation and first token: ``max_prefill_queue_tokens``

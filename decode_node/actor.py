@@ -88,7 +88,7 @@ class DecodeActor(WorkerActorBase):
             table = SlotTable.from_wire(messages.unpack(msg)["placement"])
             with self.lock:
                 self.worker.ep.apply_placement(table)
-        except (DuetError, ValueError, KeyError) as e:
+        except messages.REPLY_ERRORS as e:
             return messages.error_reply(e)
         return messages.pack(staged_version=self.worker.ep.shard.staged_version)
 
@@ -99,7 +99,7 @@ class DecodeActor(WorkerActorBase):
                 lease = self.worker.allocate(m["request_id"], prompt_wire.prompt_from_wire(m["prompt"]),
                                              messages.params_from_dict(m["params"]))
                 self.sent[m["request_id"]] = 0
-        except (DuetError, ValueError, KeyError) as e:
+        except messages.REPLY_ERRORS as e:
             return messages.error_reply(e)
         self.wake.set()
         return messages.pack(lease=lease.to_dict(), free_blocks=self.worker.free_blocks)
@@ -128,7 +128,8 @@ class DecodeActor(WorkerActorBase):
             experts = None if self.worker.ep is None else self.worker.ep.stats()
             tiers = None if self.worker.tiers is None else self.worker.tiers.summary()
             return messages.pack(worker_id=self.worker_id, free_blocks=self.worker.free_blocks,
-                                 receiving=len(self.worker.receivers), running=len(e.scheduler.running),
+                                 max_model_len=e.max_model_len, receiving=len(self.worker.receivers),
+                                 running=len(e.scheduler.running),
                                  step_s=self.worker.step_s, cpu_s=time.process_time(),
                                  experts=experts, expert_tiers=tiers)
 

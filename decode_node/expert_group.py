@@ -27,7 +27,11 @@ from engine.errors import DuetError
 
 
 class GroupUnavailable(DuetError):
-    """The expert-parallel group could not be formed, or a peer left it (a collective failed or timed out)."""
+    """The expert-parallel group could not be formed, or a peer left it (a collective failed or timed out). Another
+    decode worker (outside the group) may serve the request, so the front-end retries it there."""
+
+    code = "group_unavailable"
+    retryable = True
 
 
 @dataclass(frozen=True)

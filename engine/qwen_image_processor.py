@@ -41,6 +41,8 @@ _RESAMPLE_FILTERS = {int(f) for f in PIL.Image.Resampling}
 class ImageSizeError(InvalidRequestError):
     """An image is empty, too elongated for the Qwen-VL resize, or (without resizing) not a multiple of the factor."""
 
+    code = "image_size"
+
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """``(height, width)`` the reference resizes an image of ``height x width`` to (its ``smart_resize``).

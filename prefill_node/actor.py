@@ -13,7 +13,6 @@ import time
 from cluster import messages, prompt_wire
 from cluster.worker_actor import WorkerActorBase
 from engine import EngineConfig
-from engine.errors import DuetError
 from kv_transfer import Lease, get_manager_class
 from prefill_node.worker import PrefillWorker
 
@@ -44,10 +43,11 @@ class PrefillActor(WorkerActorBase):
                 except BaseException:
                     sender.abort("prefill rejected the request")
                     raise
-        except (DuetError, ValueError, KeyError) as e:
+                registered = self.worker.take_registered()  # the front-end's prefix index (cluster.router)
+        except messages.REPLY_ERRORS as e:
             return messages.error_reply(e)
         self.wake.set()
-        return messages.pack(ok=True)
+        return messages.pack(ok=True, registered=registered)
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
@@ -56,8 +56,9 @@ class PrefillActor(WorkerActorBase):
     def stats(self) -> bytes:
         with self.lock:
             e = self.worker.engine
-            return messages.pack(worker_id=self.worker_id, outstanding_tokens=self.worker.outstanding_tokens,
-                                 waiting=len(e.scheduler.waiting), running=len(e.scheduler.running),
+            return messages.pack(worker_id=self.worker_id, waiting=len(e.scheduler.waiting),
+                                 running=len(e.scheduler.running), max_model_len=e.max_model_len,
+                                 prompt_tokens=self.worker.prompt_tokens, cached_tokens=self.worker.cached_tokens,
                                  free_blocks=e.block_manager.num_free_blocks,
                                  cpu_s=time.process_time())  # every thread's: compute, intake, KV sends
 

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 
 QUERY_WINDOW = 32  # the prompt's last queries that score KV channels and tokens for pruning
+REGISTERED_MAX = 4096  # block hashes kept for the next submit reply (the front-end's index holds as many)
 
 
 class PrefillWorker:
@@ -57,7 +58,11 @@ class PrefillWorker:
         self._compute_done: dict[str, float] = {}  # wall time the last layer's KV was computed
         self._visual: dict[str, torch.Tensor] = {}  # request id -> prompt positions that are image tokens (codec)
         self.faults = Faults()
-        self.outstanding_tokens = 0
+        # prefix-cache feed for the front-end's router (cluster.router.PrefixIndex): block hashes this worker
+        # registered since the last submit reply (bounded: a front-end that stops asking loses only hints)
+        self.registered: list[bytes] = []
+        self.prompt_tokens = 0  # prompts finished here, and their tokens found in the prefix cache (hit rate)
+        self.cached_tokens = 0
 
     # ----------------------------------------------------------------------------------------------------- requests
     def submit(self, request_id: str, prompt: Any, params: SamplingParams, sender: KVSender) -> None:
@@ -71,7 +76,6 @@ class PrefillWorker:
             sender.tamper = _flip_first_byte
         self.senders[request_id] = sender
         self._seqs[request_id] = self.engine.requests[request_id]
-        self.outstanding_tokens += self._seqs[request_id].num_prompt_tokens
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         sender = self.senders.pop(request_id, None)
@@ -80,9 +84,7 @@ class PrefillWorker:
         self._visual.pop(request_id, None)
         if sender is not None:
             sender.abort(reason)
-        seq = self._seqs.pop(request_id, None)
-        if seq is not None:
-            self.outstanding_tokens -= seq.num_prompt_tokens
+        self._seqs.pop(request_id, None)
         return self.engine.abort_request(request_id)
 
     def has_work(self) -> bool:
@@ -107,11 +109,26 @@ class PrefillWorker:
             handoff = self._handoff(out.outputs[0].token_ids[0], seq, self._compute_done.pop(rid, time.time()))
             self._visual.pop(rid, None)
             sender.finish(handoff.to_meta())
-            self.outstanding_tokens -= len(out.prompt_token_ids)
+            if seq is not None:
+                self._note_prefix(seq)
             if not out.finished:
                 self.engine.abort_request(rid)
             done.append(rid)
         return done
+
+    def take_registered(self) -> list[bytes]:
+        """The block hashes registered in the prefix cache since the last call (oldest first)."""
+        out, self.registered = self.registered, []
+        return out
+
+    def _note_prefix(self, seq: Sequence) -> None:
+        """Count ``seq``'s prefix-cache hit and remember the hashes of its full prompt blocks, which the engine has
+        just registered (the same :meth:`Sequence.block_hash` the front-end computes from the processed prompt)."""
+        self.prompt_tokens += seq.num_prompt_tokens
+        self.cached_tokens += seq.num_cached_tokens
+        if self.engine.config.enable_prefix_caching:
+            self.registered.extend(seq.block_hash(i) for i in range(seq.num_prompt_tokens // seq.block_size))
+            del self.registered[:-REGISTERED_MAX]
 
     def _export(self, layer: int, seqs: list[Sequence]) -> None:
         last = layer == self.engine.model_config.text.num_layers - 1

@@ -158,9 +158,12 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
             arrivals = workloads[row["rate"]]
             clear()  # every rate replays the same images: each system starts it without their encodings
             cpu0 = serve_predict.prefill_cpu_s(target) if name == "disaggregated" else None
+            before = target.status() if name == "disaggregated" else None
             with tqdm(total=n, desc=f"{name} @ {row['rate']:g} req/s", leave=False, file=sys.stderr) as bar:
                 recs = drive(target, arrivals, bar)
             row[name] = summarise(recs, ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo) | {"records": recs}
+            if before is not None:
+                row[name]["prefill"] = prefill_shares(before, target.status())
             if cpu0 is not None:  # the prefill core's time per request under this load (the planner's service)
                 row[name]["prefill_cpu_s_per_request"] = (serve_predict.prefill_cpu_s(target) - cpu0) / n
 
@@ -168,9 +171,10 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
     if args.predict:
         profiles = {"colocated": serve_predict.profile_colocated(model_dir, llm, probe, probe_lens)}
     run_rates("colocated", drive_colocated, llm, llm.engine.clear_vision_cache)
-    spec = ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport=args.kv_transport,
-                       cpus_per_worker=1, pin_cpus=args.pin,
-                       extra_engine={"enable_prefix_caching": False, "scheduling_policy": args.prefill_policy,
+    spec = ClusterSpec(model_dir=str(model_dir), num_prefill=args.num_prefill, num_decode=1,
+                       transport=args.kv_transport, cpus_per_worker=1, pin_cpus=args.pin,
+                       extra_engine={"enable_prefix_caching": args.num_prefill > 1,
+                                     "scheduling_policy": args.prefill_policy,
                                      **_reserve(args.quick)},
                        prefill_max_batched_tokens=args.prefill_batched_tokens or None, **_setup(args.quick))
     budget = spec.engine_config("prefill")["max_num_batched_tokens"]
@@ -194,6 +198,32 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
             row["prediction_errors"] = serve_predict.errors(row["predicted"], row)
         row["leaked_blocks"] = sum(row_leaks.values())
     return rows, profiles
+
+
+def prefill_shares(before: list[dict], after: list[dict]) -> dict:
+    """Between two ``cluster.status()`` snapshots: each prefill worker's share of the prompt tokens placed
+    (``shares``) and the prefix-hit rate, as the workers counted it and as the router predicted it."""
+    def delta(key: str) -> dict[str, int]:
+        was = {r["worker_id"]: r.get(key, 0) for r in before if r["role"] == "prefill"}
+        return {r["worker_id"]: r.get(key, 0) - was.get(r["worker_id"], 0) for r in after if r["role"] == "prefill"}
+
+    placed, prompt, cached, predicted = (delta(k) for k in ("placed_prompt_tokens", "prompt_tokens",
+                                                            "cached_tokens", "predicted_cached_tokens"))
+    total = sum(placed.values())
+    return {"shares": {w: (t / total if total else None) for w, t in sorted(placed.items())},
+            "hit_rate": sum(cached.values()) / sum(prompt.values()) if sum(prompt.values()) else None,
+            "predicted_hit_rate": sum(predicted.values()) / total if total else None}
+
+
+def prefill_table(rows: list[dict]) -> str:
+    """Per rate: each prefill worker's share of the placed prompt tokens and the prefix-hit rates."""
+    out = []
+    for r in rows:
+        pre = r["disaggregated"].get("prefill") or {}
+        shares = " ".join(f"{w}={fmt(100 * v if v is not None else None)}%" for w, v in pre.get("shares", {}).items())
+        rate = lambda k: fmt(None if pre.get(k) is None else 100 * pre[k])  # noqa: E731
+        out.append([f"{r['rate']:g}/s", shares, rate("hit_rate"), rate("predicted_hit_rate")])
+    return format_table(["rate", "prefill share of prompt tokens", "prefix hit %", "predicted %"], out)
 
 
 def _workload(args: argparse.Namespace, tok, n: int, rate: float) -> list[Arrival]:
@@ -253,6 +283,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the prefill worker's scheduling_policy (shortest gives short prompts steps of their own: "
                         "lower TTFT at light load, more steps and ~30%% more prefill CPU per request under load)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prefill", type=int, default=1,
+                   help="prefill workers of the cluster (2+: prints each one's share of the prompt tokens and the "
+                        "prefix-hit rate; prefix caching is then on for the cluster)")
     p.add_argument("--json", default="bench_out/serve.json", help="where to write the results (plots beside it)")
     p.add_argument("--predict", action=argparse.BooleanOptionalAction, default=True,
                    help="measure engine profiles and compare duet plan's simulated latencies with the run's")
@@ -264,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     n = args.requests or (6 if args.quick else 64)
     args.output_mean = args.output_mean or (4.0 if args.quick else 32.0)
     if (n < 1 or not 0 <= args.image_fraction <= 1 or args.output_mean < 1 or args.colocated_threads < 1
-            or args.images < 0 or args.prefill_batched_tokens < 0):
+            or args.images < 0 or args.prefill_batched_tokens < 0 or args.num_prefill < 1):
         print("duet: error: --requests, --output-mean and --colocated-threads must be >= 1, --images and "
               "--prefill-batched-tokens >= 0 and "
               "--image-fraction in [0, 1]", file=sys.stderr)
@@ -273,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
     rows, profiles = _with_ray(lambda: _measure(args, model_dir, rates, n))
     crit = criteria(rows, args.tpot_slo)
     print(serve_table(rows))
+    if args.num_prefill > 1:
+        print(prefill_table(rows))
     for c in crit["checks"]:
         print(f"at {c['rate']:g} req/s (colocated p99 TPOT over SLO): p99 TPOT disagg/colocated "
               f"{fmt(c['p99_tpot_ratio'], 2)} (<= {MAX_TPOT_RATIO}), goodput {fmt(c['goodput_ratio'], 2)}x "
@@ -304,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
                      "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
                      "colocated_threads": args.colocated_threads, "kv_transport": args.kv_transport,
                      "prefill_batched_tokens": args.prefill_batched_tokens or None,
-                     "prefill_policy": args.prefill_policy,
+                     "prefill_policy": args.prefill_policy, "num_prefill": args.num_prefill,
                      "rates": rows, "criteria": crit, "plots": pngs,
                      "profiles": {k: v.__dict__ for k, v in (profiles or {}).items()},
                      "timestamp": dt.datetime.now(dt.timezone.utc).isoformat()})

@@ -111,12 +111,14 @@ class DuetServicer(pb_grpc.DuetServicer):
             worker_id=w["worker_id"], role=_ROLES[w["role"]], alive=w["alive"], waiting=w.get("waiting", 0),
             running=w.get("running", 0), receiving=w.get("receiving", 0),
             outstanding_tokens=w.get("outstanding_tokens", 0), free_blocks=w.get("free_blocks", 0),
-            total_blocks=w.get("total_blocks", 0)) for w in st["workers"]]
+            total_blocks=w.get("total_blocks", 0), prompt_tokens=w.get("prompt_tokens", 0),
+            cached_tokens=w.get("cached_tokens", 0)) for w in st["workers"]]
         return pb.ClusterStatusResponse(
             api_version=API_VERSION, model=st["model"], transport=st["transport"], workers=workers,
             in_flight=st["in_flight"], max_concurrent=st["max_concurrent"], kv_usage=st["kv_usage"],
             experts=pb.ExpertSummary(**st["experts"]), requests_served=st["requests_served"],
-            draining=st["draining"])
+            draining=st["draining"], prefix_hit_rate=st["prefix_cache"]["hit_rate"] or 0.0,
+            predicted_prefix_hit_rate=st["prefix_cache"]["predicted_hit_rate"] or 0.0)
 
 
 async def _abort_with(context: grpc.aio.ServicerContext, e: BaseException) -> None:

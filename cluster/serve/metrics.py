@@ -38,6 +38,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from cluster.cluster_ops import ClusterOps
+
 logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -221,7 +223,10 @@ _WORKER_GAUGES = (  # stats field, metric, help, roles that report it
     ("waiting", "duet_worker_waiting", "Requests waiting on the worker", ("prefill",)),
     ("running", "duet_worker_running", "Requests running on the worker", ("prefill", "decode")),
     ("receiving", "duet_worker_receiving", "Requests whose KV is being received", ("decode",)),
-    ("outstanding_tokens", "duet_prefill_outstanding_tokens", "Prompt tokens queued or running", ("prefill",)),
+    ("outstanding_tokens", "duet_prefill_outstanding_tokens",
+     "Prompt tokens admitted and not yet past their first token (the router's load signal)", ("prefill",)),
+    ("prompt_tokens", "duet_prefill_prompt_tokens", "Prompt tokens of the prompts the worker finished", ("prefill",)),
+    ("cached_tokens", "duet_prefill_cached_tokens", "Of those, tokens found in its prefix cache", ("prefill",)),
 )
 
 
@@ -236,7 +241,18 @@ class _ClusterCollector:
         yield pools
         yield from self._healing(self.cluster.healing())
         yield from self._workers(self.sampler.workers)
+        yield from self._prefix(self.sampler.workers)
         yield from self._experts(self.sampler.experts)
+
+    @staticmethod
+    def _prefix(rows: list[dict]):
+        summary = ClusterOps.prefix_summary([r for r in rows if r["alive"]])
+        if summary["hit_rate"] is not None:
+            yield GaugeMetricFamily("duet_prefix_cache_hit_rate", "Prefill workers' prefix-cache hits: cached / "
+                                    "prompt tokens of the prompts they finished", value=summary["hit_rate"])
+        if summary["predicted_hit_rate"] is not None:
+            yield GaugeMetricFamily("duet_prefix_cache_predicted_hit_rate", "The router's predicted cached / "
+                                    "placed prompt tokens", value=summary["predicted_hit_rate"])
 
     @staticmethod
     def _healing(h: dict):

@@ -276,7 +276,8 @@ class InferenceService:
                 "in_flight": self.admission.in_flight, "max_concurrent": self.admission.limit,
                 "kv_usage": used / total if total else 0.0,
                 "experts": {**self.expert_load.summary(), "placement": placement_summary(decode)},
-                "requests_served": self.requests_served, "draining": self.draining}
+                "requests_served": self.requests_served, "draining": self.draining,
+                "prefix_cache": self.cluster.prefix_summary(workers)}
 
     def healthy(self) -> bool:
         return not self.draining and any(w.load.alive for w in self.cluster.decodes) and \

@@ -173,7 +173,7 @@ def test_prefill_killed_mid_prefill_is_retried_on_the_other(fault_cluster, tiny_
     fut = _start(fault_cluster, prompt, greedy(4))
     _wait_assigned(fault_cluster)
     time.sleep(0.3)
-    busy = [w for w in fault_cluster.prefills if w.load.outstanding_tokens > 0] or fault_cluster.prefills[:1]
+    busy = [w for w in fault_cluster.prefills if w.prefill_tokens > 0] or fault_cluster.prefills[:1]
     ray.kill(busy[0].actor)
     survivor = next(w for w in fault_cluster.prefills if w is not busy[0])
     ray.get(survivor.actor.inject_fault.remote("layer_delay_s", 0.0))

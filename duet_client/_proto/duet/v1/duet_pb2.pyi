@@ -251,7 +251,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self, api_version: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "alive", "waiting", "running", "receiving", "outstanding_tokens", "free_blocks", "total_blocks")
+    __slots__ = ("worker_id", "role", "alive", "waiting", "running", "receiving", "outstanding_tokens", "free_blocks", "total_blocks", "prompt_tokens", "cached_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,8 @@ class WorkerStatus(_message.Message):
     OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     alive: bool
@@ -270,7 +272,9 @@ class WorkerStatus(_message.Message):
     outstanding_tokens: int
     free_blocks: int
     total_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., alive: _Optional[bool] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+    prompt_tokens: int
+    cached_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., alive: _Optional[bool] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ExpertSummary(_message.Message):
     __slots__ = ("num_layers", "num_experts", "tokens_routed", "balancedness", "hottest_expert", "placement")
@@ -289,7 +293,7 @@ class ExpertSummary(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[int] = ..., balancedness: _Optional[_Iterable[float]] = ..., hottest_expert: _Optional[_Iterable[int]] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("api_version", "model", "transport", "workers", "in_flight", "max_concurrent", "kv_usage", "experts", "requests_served", "draining")
+    __slots__ = ("api_version", "model", "transport", "workers", "in_flight", "max_concurrent", "kv_usage", "experts", "requests_served", "draining", "prefix_hit_rate", "predicted_prefix_hit_rate")
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +304,8 @@ class ClusterStatusResponse(_message.Message):
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     api_version: int
     model: str
     transport: str
@@ -310,4 +316,6 @@ class ClusterStatusResponse(_message.Message):
     experts: ExpertSummary
     requests_served: int
     draining: bool
-    def __init__(self, api_version: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., kv_usage: _Optional[float] = ..., experts: _Optional[_Union[ExpertSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    prefix_hit_rate: float
+    predicted_prefix_hit_rate: float
+    def __init__(self, api_version: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., kv_usage: _Optional[float] = ..., experts: _Optional[_Union[ExpertSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_rate: _Optional[float] = ..., predicted_prefix_hit_rate: _Optional[float] = ...) -> None: ...
