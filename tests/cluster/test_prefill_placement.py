@@ -31,6 +31,7 @@ def test_a_burst_is_shared_by_both_prefill_workers(two_prefill):
     got = two_prefill.generate_batch(prompts, greedy(2))
     assert all(len(x.token_ids) == 2 for x in got)
     share = Counter(_prefill_of(x) for x in got)
+    print(f"burst share of 48: {dict(share)}")
     assert set(share) == {"prefill-0", "prefill-1"} and min(share.values()) >= 0.3 * 48, share
     assert all(w.prefill_tokens == 0 for w in two_prefill.prefills)  # the one counter drains to zero
     assert set(two_prefill.check_no_leaks().values()) == {0}
