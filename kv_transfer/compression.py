@@ -43,6 +43,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from kv_transfer.base import KVLayout, ProtocolError
 from kv_transfer.codec import Codec, get_codec, register_codec, tensor_bytes
@@ -283,17 +284,19 @@ def _decode_int(seg: torch.Tensor, n: int, kvh: int, c: int, enc: _Encoding) -> 
     codes = seg[2 * half:]
     if enc.bits == 4:
         codes = torch.stack([codes & 0xF, codes >> 4], dim=1).view(-1)[:n * flat]
-    q = codes.view(n, flat)
-    if not enc.keys:
-        scale, mn = scale.t(), mn.t()  # [n, groups]: channel groups of each token
-    # per-row (keys) or per-column (values) statistics, expanded to one entry per code
-    axis = 0 if enc.keys else 1
-    size = q.shape[axis]
-    if groups > 1 or enc.group < size:
-        scale = scale.repeat_interleave(enc.group, dim=axis).narrow(axis, 0, size)
-        mn = mn.repeat_interleave(enc.group, dim=axis).narrow(axis, 0, size)
-    out = torch.addcmul(mn.float(), q.float(), scale.float())
-    return out.view(n, kvh, c)
+    # grouped views against broadcast statistics: no full-size copies of the scales and mins
+    q = codes.view(n, flat).float()
+    if enc.keys:  # token groups: [groups, group, flat] against [groups, 1, flat]
+        pad = groups * enc.group - n
+        q = F.pad(q, (0, 0, 0, pad)) if pad else q
+        out = torch.addcmul(mn.float().unsqueeze(1), q.view(groups, enc.group, flat), scale.float().unsqueeze(1))
+        out = out.reshape(groups * enc.group, flat)[:n]
+    else:  # channel groups of each token: [n, groups, group] against [n, groups, 1]
+        pad = groups * enc.group - flat
+        q = F.pad(q, (0, pad)) if pad else q
+        out = torch.addcmul(mn.float().t().unsqueeze(2), q.view(n, groups, enc.group), scale.float().t().unsqueeze(2))
+        out = out.reshape(n, groups * enc.group)[:, :flat]
+    return out.reshape(n, kvh, c)
 
 
 def _kept_channels(x: torch.Tensor, keep: float, score: torch.Tensor | None) -> torch.Tensor | None:
