@@ -2,11 +2,11 @@
 the front-end long-polls :meth:`DecodeActor.poll`, which returns every token produced since the last poll, for all
 requests, in one message (never one call per token per request).
 
-Methods take and return msgpack ``bytes`` (:mod:`cluster.messages`).
+Methods take and return msgpack ``bytes`` (:mod:`node_common.messages`).
 
-Expert-parallel workers (``expert_parallel`` set) start their loop only once the group is formed: the builder calls
-:meth:`DecodeActor.ep_host` on rank 0, then :meth:`DecodeActor.ep_join` on every rank at once. Their loop runs one
-group tick per iteration (:meth:`decode_node.worker.DecodeWorker.group_step`); a shutdown of any rank stops the whole
+Expert-parallel workers (``expert_parallel`` set) start their loop only once the group is formed: the cluster
+(:func:`cluster.experts.expert_router.form_group`) calls :meth:`DecodeActor.ep_host` on rank 0, then
+:meth:`DecodeActor.ep_join` on every rank at once. Their loop runs one group tick per iteration (:meth:`decode_node.worker.DecodeWorker.group_step`); a shutdown of any rank stops the whole
 group at the same tick.
 """
 
@@ -16,8 +16,6 @@ import logging
 import threading
 import time
 
-from cluster import messages, prompt_wire
-from cluster.worker_actor import WorkerActorBase
 from decode_node.expert_group import ExpertGroup, host_store
 from decode_node.expert_parallel import ExpertParallelConfig
 from decode_node.expert_slots import SlotTable
@@ -26,6 +24,8 @@ from decode_node.worker import DecodeWorker, StepReport
 from engine import EngineConfig
 from engine.errors import DuetError
 from kv_transfer import get_manager_class
+from node_common import messages, prompt_wire
+from node_common.worker_actor import WorkerActorBase
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Which expert each device slot of a tiered decode worker holds, the copy queue, and who may be evicted.
 
 Pure bookkeeping (no tensors; not thread-safe: the decode loop's thread owns it, see
-:class:`decode_node.expert_tiers.ExpertTiers`). It follows :mod:`cluster.expert_cache`'s model, so the worker and
+:class:`decode_node.expert_tiers.ExpertTiers`). It follows :mod:`cluster.experts.expert_cache`'s model, so the worker and
 the simulation count alike:
 
 * **Pools**: ``per_layer=False`` (the simulation's ``scope="global"``): one pool of ``capacity`` slots shared by all
@@ -13,7 +13,7 @@ the simulation count alike:
   :meth:`take_copies` starts copies earliest deadline first (certain before speculative) and picks each one's slot
   only then (the simulation's link decides at copy time too):
   a free one, or the policy's lowest-scored resident expert that is not protected; a speculative copy evicts only
-  when :meth:`~cluster.expert_policies.CachePolicy.admit` agrees, and a copy whose layer already ran is dropped.
+  when :meth:`~node_common.expert_policies.CachePolicy.admit` agrees, and a copy whose layer already ran is dropped.
 * **Protected** from eviction: the experts the running layer uses (``busy``); experts *pinned* until their layer
   ran -- the look-ahead's experts for the next layer (resident or copied), and every certain copy (look-ahead, or a
   pre-warm list sent from outside); and slots being loaded.
@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 
-from cluster.expert_policies import CachePolicy
+from node_common.expert_policies import CachePolicy
 
 Key = tuple[int, int]  # (MoE layer, expert)
 

@@ -3,7 +3,7 @@
 A :class:`SlotTable` is the decode group's view of a placement: ``slots[l, w, s]`` is the logical expert held by
 slot ``s`` of worker ``w`` in MoE layer ``l`` (``l`` counts MoE layers only, in model order). The physical slot id is
 ``p = w * S + s``. Every logical expert has at least one replica per layer; a hot expert may have several, and tokens
-pick among them by load (:meth:`SlotTable.replicas`). The placement algorithm (:mod:`cluster.placement`) decides the
+pick among them by load (:meth:`SlotTable.replicas`). The placement algorithm (:mod:`cluster.experts.placement`) decides the
 table; this module only validates it, derives lookup tables and moves it across processes.
 
 Worked example, 4 experts, 2 workers, 3 slots (one spare slot each)::

@@ -28,7 +28,7 @@ finished). When a layer starts, its experts still queued are copied on demand; t
 waited for ("late"), not redone.
 
 The policy call contract, the time model (layer-times ``step x L + layer`` over MoE layers) and the counting are
-those of :mod:`cluster.expert_cache`, with one difference: a late copy is a stalled load whose bytes count once, as
+those of :mod:`cluster.experts.expert_cache`, with one difference: a late copy is a stalled load whose bytes count once, as
 a prefetch. ``hits`` / ``hit_rate`` count (token, expert) assignments; ``expert_hits + stalled_loads = accesses``,
 one access per (layer run, needed expert).
 
@@ -47,12 +47,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from cluster.expert_cache import capacity_for, make_policy
-from cluster.expert_policies import CachePolicy
 from decode_node.expert_residency import Acquired, Key, Residency
 from engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.moe import SparseMoe
+from node_common.expert_policies import CachePolicy, capacity_for, make_policy
 
 LOOKAHEAD = {"lru": False, "duet": True}  # policy -> whether it wants the next layer's router applied early
 TIER_POLICIES = tuple(LOOKAHEAD)
@@ -62,7 +61,7 @@ TIER_SCOPES = ("global", "layer")
 @dataclass(frozen=True)
 class TierConfig:
     """``resident``: a fraction in (0, 1] (float) or a count >= 1 (int) of each MoE layer's experts kept on the
-    device. ``scope="global"`` (the default, as :func:`cluster.expert_cache.simulate`'s): one pool of that many
+    device. ``scope="global"`` (the default, as :func:`cluster.experts.expert_cache.simulate`'s): one pool of that many
     experts x MoE layers, shared by all layers; ``"layer"``: that many per layer. ``policy``: ``"lru"`` (on demand,
     least recently used out) or ``"duet"`` (pre-warm and look-ahead, lowest forecast out). ``max_inflight``: copies
     handed to the copier at once (the rest wait in the queue, where a copy whose layer ran is dropped and a slot is

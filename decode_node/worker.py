@@ -14,7 +14,7 @@ its loop calls :meth:`DecodeWorker.group_step` (one lockstep tick of the group) 
 With ``expert_tiers`` (not with ``expert_parallel``) only some experts stay on the device
 (:mod:`decode_node.expert_tiers`): committed requests' routing hints, and their departures, go to its pre-warm policy.
 
-Prompts arrive processed (:mod:`cluster.prompt_wire`) and carry no image data: token ids, the images' content
+Prompts arrive processed (:mod:`node_common.prompt_wire`) and carry no image data: token ids, the images' content
 hashes (this pool's prefix-cache block hashes key images by content, as the prefill side's do) and placeholder
 positions, and the M-RoPE delta. So the decode side never recomputes an image prompt: when a preemption (pool full)
 evicts a running request whose prompt has images, the engine drops it (``LLMEngine.cannot_recompute``) and this

@@ -8,7 +8,7 @@ The CLI prints ``str(err)`` and exits with code 2.
 body); defining the class registers it (:data:`REGISTRY`), wherever it lives -- the engine, ``kv_transfer``, the
 worker packages, the cluster -- since this module imports nothing of Duet. ``retryable`` says whether the same request
 may succeed on another prefill/decode pair (a broken expert-parallel group, a failed transfer, a full pool). The wire
-carries the code (``cluster.messages.error_reply``); :func:`error_for_code` turns it back into the class, or into the
+carries the code (``node_common.messages.error_reply``); :func:`error_for_code` turns it back into the class, or into the
 nearest known one (plain :class:`DuetError`) when the receiver does not have it. Errors outside this tree (e.g.
 ``kv_transfer``'s, which may not import the engine) join with :func:`register`.
 """

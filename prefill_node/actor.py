@@ -1,6 +1,6 @@
 """Ray actor around :class:`PrefillWorker`: a loop thread steps the engine; method calls only enqueue.
 
-Methods take and return msgpack ``bytes`` (:mod:`cluster.messages`). Started by :mod:`cluster.builder` with
+Methods take and return msgpack ``bytes`` (:mod:`node_common.messages`). Started by :class:`cluster.control.disagg.DisaggCluster` with
 ``ray.remote(num_cpus=..., num_gpus=...)`` and ``max_concurrency`` > 1 so calls never wait behind a step.
 """
 
@@ -10,10 +10,10 @@ import logging
 import threading
 import time
 
-from cluster import messages, prompt_wire
-from cluster.worker_actor import WorkerActorBase
 from engine import EngineConfig
 from kv_transfer import Lease, get_manager_class
+from node_common import messages, prompt_wire
+from node_common.worker_actor import WorkerActorBase
 from prefill_node.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class PrefillActor(WorkerActorBase):
                 except BaseException:
                     sender.abort("prefill rejected the request")
                     raise
-                registered = self.worker.take_registered()  # the front-end's prefix index (cluster.router)
+                registered = self.worker.take_registered()  # the front-end's prefix index (cluster.control.router)
         except messages.REPLY_ERRORS as e:
             return messages.error_reply(e)
         self.wake.set()

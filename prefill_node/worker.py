@@ -58,7 +58,7 @@ class PrefillWorker:
         self._compute_done: dict[str, float] = {}  # wall time the last layer's KV was computed
         self._visual: dict[str, torch.Tensor] = {}  # request id -> prompt positions that are image tokens (codec)
         self.faults = Faults()
-        # prefix-cache feed for the front-end's router (cluster.router.PrefixIndex): block hashes this worker
+        # prefix-cache feed for the front-end's router (cluster.control.router.PrefixIndex): block hashes this worker
         # registered since the last submit reply (bounded: a front-end that stops asking loses only hints)
         self.registered: list[bytes] = []
         self.prompt_tokens = 0  # prompts finished here, and their tokens found in the prefix cache (hit rate)
@@ -67,7 +67,7 @@ class PrefillWorker:
     # ----------------------------------------------------------------------------------------------------- requests
     def submit(self, request_id: str, prompt: Any, params: SamplingParams, sender: KVSender) -> None:
         """Queue a prompt; its KV goes to ``sender``. ``prompt`` is the front-end's processed prompt
-        (:mod:`cluster.prompt_wire`: token ids, hashes, preprocessed pixels; neither re-tokenized nor re-decoded
+        (:mod:`node_common.prompt_wire`: token ids, hashes, preprocessed pixels; neither re-tokenized nor re-decoded
         here) or anything the engine takes. Raises the engine's typed errors (nothing queued)."""
         first_only = dataclasses.replace(params, max_tokens=None, return_logits=False)
         self.engine.add_request(request_id, prompt, first_only)

@@ -32,7 +32,7 @@ import torch
 
 from cluster.bench.machine import decode_bound, measure_machine
 from cluster.bench.qwen_bench import image_sizes
-from cluster.bench.report import log, machine_table, scenario_table, write_json
+from cluster.report import log, machine_table, scenario_table, write_json
 
 SCENARIOS = ("uniform1", "uniform32", "mixed")
 MODELS = ("llava-moe", "qwen3-vl-moe")

@@ -7,9 +7,9 @@ Sections (every row carries ``section``; the JSON file is one list of rows):
   balancedness of ``static`` round-robin, ``greedy`` (EPLB-style) and ``duet`` placement, and compute time. Extra
   slot fractions that do not divide over the workers are left out (16 experts + 12.5% = 18 slots on 4 workers).
 * ``migration`` -- a drifting Zipf 1.2 load (every window, a few experts per layer move up to 3 ranks): slots
-  changed per rebalance placing from scratch (after :func:`cluster.placement.align`, and raw) against
-  :func:`cluster.placement.migrate_placement`, and the balancedness each keeps.
-* ``prewarm`` -- :func:`cluster.expert_cache.simulate` on Zipf 1.2 traces and on the demo trace, at 25% and 50%
+  changed per rebalance placing from scratch (after :func:`cluster.experts.placement.align`, and raw) against
+  :func:`cluster.experts.placement.migrate_placement`, and the balancedness each keeps.
+* ``prewarm`` -- :func:`cluster.experts.expert_cache.simulate` on Zipf 1.2 traces and on the demo trace, at 25% and 50%
   resident experts, for ``lru``, ``duet`` and ``belady``, with one device pool for all layers (``global``, the
   criteria) and with per-layer pools (``layer``); ``forced_stalls`` is the floor no policy can go under (a layer
   needing more experts in a step than its pool holds). ``tpot_ms``: the demo trace's ``global`` lru/duet rows carry
@@ -34,9 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster import placement as pl
-from cluster.bench.report import fmt, format_table, write_json
-from cluster.expert_cache import (
+from cluster.experts import placement as pl
+from cluster.experts.expert_cache import (
     POLICIES,
     Trace,
     TraceStep,
@@ -47,6 +46,7 @@ from cluster.expert_cache import (
     simulate,
     zipf_trace,
 )
+from cluster.report import fmt, format_table, write_json
 
 ZIPF = (0.8, 1.2, 1.6)
 EXTRA = (0.0, 0.125, 0.25)
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small configuration (tests, smoke runs), not for figures")
     p.add_argument("--json", default="bench_out/experts.json", help="where to write the rows")
     p.add_argument("--trace", default=None, metavar="PATH",
-                   help="a recorded routing trace (cluster.expert_cache JSON) to use as the demo load instead of "
+                   help="a recorded routing trace (cluster.experts.expert_cache JSON) to use as the demo load instead of "
                         "recording one")
     p.add_argument("--save-trace", default="bench_out/experts_demo_trace.json", metavar="PATH",
                    help="where to write the recorded demo trace")

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from cluster.bench.qwen_bench import image_sizes
-from cluster.bench.report import fmt, format_table, write_json
+from cluster.report import fmt, format_table, write_json
 
 POLICIES = ("none", "default", "aggressive")
 CRITERIA = {"default": {"agreement": 0.99, "accuracy_drop": 1.0, "visual_vs_float32": 3.5, "visual_vs_bfloat16": 1.8},
@@ -219,7 +219,7 @@ def quality_runs(model_dir: Path, config, policy, prompts: list[dict], tokens: i
     """Greedy tokens + logits on ``prompts`` and answers on ``examples`` through an in-process pair (``window``:
     :meth:`LocalPair.generate`'s, for prompts whose prefills would outlast a lease when queued together)."""
     from cluster.bench.quality_bench import prompts_for, records, summarize
-    from cluster.local_pair import LocalPair
+    from cluster.control.local_pair import LocalPair
     from engine import SamplingParams
 
     pair = LocalPair(model_dir, config, compression=policy)
@@ -245,8 +245,8 @@ def quality_runs(model_dir: Path, config, policy, prompts: list[dict], tokens: i
 
 def e2e_ttft(model_dir: Path, dtype: str, policy_spec: str, transport: str, prompts: list[dict]) -> dict:
     """Median TTFT and transfer figures of ``prompts`` sent one at a time through a 1P+1D Ray cluster."""
-    from cluster.disagg import DisaggCluster
-    from cluster.spec import ClusterSpec
+    from cluster.control.disagg import DisaggCluster
+    from cluster.control.spec import ClusterSpec
     from engine import SamplingParams
 
     spec = ClusterSpec(model_dir=str(model_dir), transport=transport, dtype=dtype, kv_compression=policy_spec)

@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 import PIL.Image
 
-from cluster import messages, prompt_wire
-from cluster.disagg import DisaggCluster
+from cluster.control.disagg import DisaggCluster
 from engine import SamplingParams
 from engine.config import ModelConfig
 from engine.inputs import InputProcessor, image_processor_for
 from engine.tokenizer import Tokenizer
+from node_common import messages, prompt_wire
 
 DEMO = Path(__file__).resolve().parent.parent / "demo" / "model"
 

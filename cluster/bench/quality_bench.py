@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from cluster.bench.report import fmt, format_table, write_json
+from cluster.report import fmt, format_table, write_json
 
 HELD_OUT_SEED = 1_000_003
 MODES = ("local", "disagg")
@@ -51,7 +51,7 @@ def evaluate(llm, examples, *, max_tokens: int = 48) -> list[dict]:
 
 
 def evaluate_disagg(cluster, examples, *, max_tokens: int = 48) -> list[dict]:
-    """Greedy answers for ``examples`` through a :class:`cluster.disagg.DisaggCluster`."""
+    """Greedy answers for ``examples`` through a :class:`cluster.control.disagg.DisaggCluster`."""
     from engine import SamplingParams
 
     outs = cluster.generate_batch(prompts_for(cluster.tokenizer, examples),
@@ -118,8 +118,8 @@ def _run_disagg(args: argparse.Namespace, model_dir: Path, examples) -> tuple[li
 
     import ray
 
-    from cluster.disagg import DisaggCluster
-    from cluster.spec import ClusterSpec
+    from cluster.control.disagg import DisaggCluster
+    from cluster.control.spec import ClusterSpec
 
     spec = ClusterSpec(model_dir=str(model_dir), transport=args.kv_transport, dtype=args.dtype,
                        kv_compression=args.kv_compression, max_num_seqs=args.max_num_seqs,

@@ -32,7 +32,7 @@ import numpy as np
 import PIL.Image
 import torch
 
-from cluster.bench.report import fmt, format_table, log, ms, write_json
+from cluster.report import fmt, format_table, log, ms, write_json
 from engine.qwen_checkpoints import QwenTinySpec
 
 QWEN_BENCH_MODEL_NAME = "bench-qwen3-vl-moe-v1"

@@ -8,7 +8,7 @@ so the visual-token count per request follows the image, 64 / 256 / 1024 at 256Â
 * bytes -- the prompts' KV as the prefill worker hands it to its sender (captured, all layers), encoded by the
   policy's codec: bytes per text and per visual token and the ratios against float32 / bfloat16 / the pool dtype
   (:func:`cluster.bench.kvcodec_bench.byte_summary`);
-* quality -- through an in-process prefill -> decode pair (:class:`~cluster.local_pair.LocalPair`, M-RoPE delta in
+* quality -- through an in-process prefill -> decode pair (:class:`~cluster.control.local_pair.LocalPair`, M-RoPE delta in
   the hand-off): greedy agreement with ``none`` over up to ``--tokens`` tokens and the mean next-token KL
   (:func:`~cluster.bench.kvcodec_bench.agreement`, :func:`~cluster.bench.kvcodec_bench.mean_kl`).
 
@@ -35,7 +35,7 @@ from cluster.bench.kvcodec_bench import (
     quality_runs,
 )
 from cluster.bench.qwen_bench import DEFAULT_IMAGE_SIZES, QwenPrompts, qwen_bench_model_dir
-from cluster.bench.report import fmt, format_table, log, write_json
+from cluster.report import fmt, format_table, log, write_json
 
 DEFAULT_PROMPTS = 4
 

@@ -10,7 +10,7 @@ starting with no cached image encodings (the rates replay the same images):
 * colocated -- the in-process :class:`engine.LLM` with ``--colocated-threads`` torch threads (default 2: the cores
   the two workers get), driven step by step: arrivals are added between steps with their scheduled arrival time, so
   a request that arrives during a long step is charged the wait;
-* disaggregated -- a 1 prefill + 1 decode :class:`~cluster.disagg.DisaggCluster` (one thread each, pinned to a
+* disaggregated -- a 1 prefill + 1 decode :class:`~cluster.control.disagg.DisaggCluster` (one thread each, pinned to a
   core of its own unless ``--no-pin``; KV over ``--kv-transport``), each request started by an asyncio task at its
   arrival time and streamed. Its prefill worker schedules ``--prefill-policy`` (default ``fcfs``; ``shortest``
   gives short prompts steps of their own: lower TTFT at light load, but more, smaller steps cost its core ~30% more
@@ -47,7 +47,6 @@ from pathlib import Path
 import numpy as np
 
 from cluster.bench import serve_predict
-from cluster.bench.report import fmt, format_table, ms, write_json
 from cluster.bench.serve_workload import (
     Arrival,
     NoBar,
@@ -57,6 +56,7 @@ from cluster.bench.serve_workload import (
     prompt_tokens,
     summarise,
 )
+from cluster.report import fmt, format_table, ms, write_json
 
 RATES = (0.5, 1.0, 2.0, 4.0)
 QUICK_RATES = (4.0,)
@@ -136,8 +136,8 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
     (measured: goodput 2.5-2.8 alone against 2.1-2.2 beside it at the same rate), which the baseline must not pay."""
     from tqdm import tqdm
 
-    from cluster.disagg import DisaggCluster
-    from cluster.spec import ClusterSpec
+    from cluster.control.disagg import DisaggCluster
+    from cluster.control.spec import ClusterSpec
     from engine import LLM
 
     # the colocated engine keeps fcfs: ``shortest`` measured no better there (its misses are decode steps waiting

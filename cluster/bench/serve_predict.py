@@ -1,6 +1,6 @@
 """What ``duet plan``'s simulators predict for a ``duet bench serve`` run: the planner checked against measurement.
 
-Profiles come from the same checkpoint right before the run (:func:`cluster.plan_cmd.measure_profile`): one thread
+Profiles come from the same checkpoint right before the run (:func:`cluster.cli.plan_cmd.measure_profile`): one thread
 for the workers (each has one core) and ``--colocated-threads`` for the colocated engine. What the engine profile
 cannot see -- images decoded on the worker, the KV streamed out from the same core, the Ray calls, the first token's
 way back -- is measured by a few short and long requests sent one at a time (:func:`calibrate`): a prefill scale
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.bench.report import fmt, format_table, log, ms
 from cluster.bench.serve_workload import (
     Arrival,
     NoBar,
@@ -25,7 +24,7 @@ from cluster.bench.serve_workload import (
     drive_disagg,
     make_workload,
 )
-from cluster.planner import (
+from cluster.planner.planner import (
     DEFAULT_BATCHED_TOKENS,
     Profile,
     Requests,
@@ -33,6 +32,7 @@ from cluster.planner import (
     simulate_decode_worker,
     simulate_prefill_pool,
 )
+from cluster.report import fmt, format_table, log, ms
 
 TOLERANCE = 0.25  # the issue's bound on |predicted / measured - 1|
 CHECKED = ("ttft_s", "tpot_s")
@@ -186,7 +186,7 @@ def probe_requests(tok, seed: int, images: int) -> list[Arrival]:
 
 
 def _measure_profile(model_dir: Path, threads: int):
-    from cluster.plan_cmd import measure_profile
+    from cluster.cli.plan_cmd import measure_profile
 
     # decode batches as small as this load runs them, at a context like its prompts': an MoE step's cost per sequence
     # falls as more sequences share the experts they touch, and grows with what each one attends to, so a fit over
@@ -252,6 +252,6 @@ def prefill_cpu_s(cluster) -> float:
 def _stats(worker) -> dict:
     import ray
 
-    from cluster import messages
+    from node_common import messages
 
     return messages.unpack(ray.get(worker.actor.stats.remote(), timeout=30))

@@ -11,7 +11,7 @@ of every request in it); prefill steps run on the same thread between decode ste
 
 Links: ``memcpy`` -- the CPU device's "host to device" copy is a ~20 us memcpy of a demo expert, cheaper than the
 bookkeeping around it, and uses the same cores as compute; ``emulated`` -- every copy lasts at least
-``1 / link_rate`` of the baseline's layer time (the simulation's link model, :func:`cluster.expert_cache.simulate`),
+``1 / link_rate`` of the baseline's layer time (the simulation's link model, :func:`cluster.experts.expert_cache.simulate`),
 sleeping so that background copies overlap the decode loop as a GPU's copy engine would: the regime where a stall
 costs what it costs on a GPU behind PCIe.
 

@@ -7,7 +7,7 @@ tokens, one request at a time, fresh ids and images for every repeat (no prefix-
 Per length it measures, all in one run:
 
 * local -- TTFT of the in-process ``engine.LLM`` (same engine config, torch threads = a worker's CPUs);
-* per transport, a 1 prefill + 1 decode :class:`~cluster.disagg.DisaggCluster` with ``stream_layers=True``
+* per transport, a 1 prefill + 1 decode :class:`~cluster.control.disagg.DisaggCluster` with ``stream_layers=True``
   ("layer-wise": each layer leaves right after its compute) and another with ``stream_layers=False`` ("whole": the
   whole cache after prefill): TTFT, KV bytes and the exposed transfer time (last layer's arrival on the decode side
   minus the end of the prefill's last layer compute), and the leaked blocks after shutdown;
@@ -36,7 +36,7 @@ import numpy as np
 import PIL.Image
 import torch
 
-from cluster.bench.report import fmt, format_table, log, ms, write_json
+from cluster.report import fmt, format_table, log, ms, write_json
 
 PROMPT_LENS = (512, 2048, 4096)
 QUICK_PROMPT_LENS = (16, 32)
@@ -162,8 +162,8 @@ def _local(model_dir: Path, setup: dict, prompts: list[dict[int, dict]], warm: d
 
 def _cluster(model_dir: Path, setup: dict, transport: str, mode: str, prompts: list[dict[int, dict]],
              warm: dict) -> tuple[dict[int, list[dict]], dict]:
-    from cluster.disagg import DisaggCluster
-    from cluster.spec import ClusterSpec
+    from cluster.control.disagg import DisaggCluster
+    from cluster.control.spec import ClusterSpec
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

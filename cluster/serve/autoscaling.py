@@ -1,8 +1,8 @@
-"""``duet serve``'s autoscaling loop: :class:`cluster.autoscale.Autoscaler` fed by the server's own metrics and
-applying its decisions to the :class:`~cluster.disagg.DisaggCluster` it serves.
+"""``duet serve``'s autoscaling loop: :class:`cluster.control.autoscale.Autoscaler` fed by the server's own metrics and
+applying its decisions to the :class:`~cluster.control.disagg.DisaggCluster` it serves.
 
 Each step (every ``policy.interval_s``, on its own thread) appends one sample to the window
-:func:`cluster.autoscale.decide` reads:
+:func:`cluster.control.autoscale.decide` reads:
 
 * ``ttft_p90_s``, ``tpot_p90_s``: p90 over the requests that finished in the last ``horizon_s``; ``0.0`` when none
   finished and none is in flight (an idle pool is under every latency target), ``None`` (no signal) when requests
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cluster.autoscale import Action, Autoscaler, Decision, Policy
+from cluster.control.autoscale import Action, Autoscaler, Decision, Policy
 from cluster.serve.metrics import Metrics
 
 logger = logging.getLogger(__name__)

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     import ray
 
-    from cluster.disagg import DisaggCluster
+    from cluster.control.disagg import DisaggCluster
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="duet serve: %(levelname)s %(message)s")
     started = not ray.is_initialized()

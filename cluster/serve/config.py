@@ -1,4 +1,4 @@
-"""``duet serve``'s configuration: a YAML or JSON file of :class:`~cluster.spec.ClusterSpec` fields plus an optional
+"""``duet serve``'s configuration: a YAML or JSON file of :class:`~cluster.control.spec.ClusterSpec` fields plus an optional
 ``serve:`` section (:class:`ServeConfig` fields, with ``limits:`` as :class:`~cluster.serve.limits.Limits`), then
 command-line flags on top. Validated before anything starts; every problem is one :class:`ConfigError` line.
 
@@ -27,8 +27,8 @@ from typing import Any
 
 import yaml
 
+from cluster.control.spec import ClusterSpec
 from cluster.serve.limits import Limits
-from cluster.spec import ClusterSpec
 from engine.errors import InvalidRequestError
 
 
@@ -48,7 +48,7 @@ class ServeConfig:
     model_name: str | None = None  # the name clients use; default: the model directory's name
     drain_timeout_s: float = 30.0  # on shutdown, how long in-flight requests may take to finish
     limits: Limits = field(default_factory=Limits)
-    # an autoscaling policy file (deploy/autoscaling/*.yaml; cluster.autoscale); in a config file a relative path is
+    # an autoscaling policy file (deploy/autoscaling/*.yaml; cluster.control.autoscale); in a config file a relative path is
     # relative to that file. None: fixed pool sizes
     autoscaling_policy: str | None = None
 
@@ -67,7 +67,7 @@ class ServeConfig:
         if self.drain_timeout_s < 0:
             raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.autoscaling_policy is not None:
-            from cluster.autoscale import PolicyError, load_policy
+            from cluster.control.autoscale import PolicyError, load_policy
 
             try:
                 load_policy(self.autoscaling_policy)

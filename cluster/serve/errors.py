@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from cluster.disagg import RequestTimeoutError, TransferFailedError
+from cluster.control.disagg import RequestTimeoutError, TransferFailedError
 from cluster.serve.limits import Overloaded
 from engine.errors import DuetError, InvalidRequestError, OutOfBlocksError
 

@@ -38,7 +38,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from cluster.cluster_ops import ClusterOps
+from cluster.control.cluster_ops import ClusterOps
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class _ClusterCollector:
 
     @staticmethod
     def _healing(h: dict):
-        """The pool healer's counts (:meth:`cluster.cluster_ops.ClusterOps.healing`; front-end state, no remote call)."""
+        """The pool healer's counts (:meth:`cluster.control.cluster_ops.ClusterOps.healing`; front-end state, no remote call)."""
         respawns = CounterMetricFamily("duet_worker_respawns", "Dead workers replaced by a fresh actor",
                                        labels=["role"])
         given_up = GaugeMetricFamily("duet_workers_given_up", "Workers that kept dying and are no longer respawned "

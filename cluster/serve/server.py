@@ -1,5 +1,5 @@
 """One serving process: the gRPC ``duet.v1`` service and the OpenAI-compatible HTTP API over one
-:class:`~cluster.disagg.DisaggCluster`, on one event loop.
+:class:`~cluster.control.disagg.DisaggCluster`, on one event loop.
 
 :class:`Server` runs on the caller's loop (``duet serve`` uses the main thread's); :class:`ServerThread` runs one on a
 background thread (tests, notebooks). Several servers may share one cluster (each with its own limits and token).
@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from cluster.autoscale import load_policy
+from cluster.control.autoscale import load_policy
 from cluster.serve.autoscaling import AutoscaleLoop
 from cluster.serve.config import ServeConfig
 from cluster.serve.grpc_api import start_grpc

@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from cluster.control.timeline import RequestClock
+from cluster.serve.chat import render_chat
 from cluster.serve.errors import (
     DuplicateRequestIdError,
     ModelNotFoundError,
@@ -29,7 +31,6 @@ from cluster.serve.errors import (
     classify,
 )
 from cluster.serve.expert_load import ExpertLoad, placement_summary
-from cluster.serve.chat import render_chat
 from cluster.serve.limits import (
     Admission,
     Limits,
@@ -47,7 +48,6 @@ from cluster.serve.schema import (
     SamplingOptions,
 )
 from cluster.serve.stop_strings import StopMatcher
-from cluster.timeline import RequestClock
 from engine import SamplingParams
 from engine.errors import DuetError, InvalidRequestError, PromptTooLongError
 from engine.tokenizer import IncrementalDetokenizer
@@ -63,7 +63,7 @@ _END = object()
 
 
 class InferenceService:
-    """Serves requests on a :class:`~cluster.disagg.DisaggCluster` (which it does not own)."""
+    """Serves requests on a :class:`~cluster.control.disagg.DisaggCluster` (which it does not own)."""
 
     def __init__(self, cluster: Any, limits: Limits, model_name: str) -> None:
         self.cluster = cluster

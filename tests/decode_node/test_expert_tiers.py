@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.expert_policies import DuetPolicy, LRUPolicy
 from decode_node.expert_residency import Residency
 from decode_node.expert_tiers import ExpertTiers, TierConfig
 from decode_node.worker import DecodeWorker
@@ -23,6 +22,7 @@ from engine import LLM, EngineConfig
 from engine.errors import InvalidRequestError
 from engine.moe import SparseMoe
 from kv_transfer.inproc.manager import Manager as InprocManager
+from node_common.expert_policies import DuetPolicy, LRUPolicy
 from prefill_node.worker import PrefillWorker
 from tests.conftest import (
     LLM_DEFAULTS,

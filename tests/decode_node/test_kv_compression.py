@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import prefill_node.worker as prefill_worker
-from cluster.local_pair import LocalPair
+from cluster.control.local_pair import LocalPair
 from decode_node.worker import DecodeWorker
 from engine import LLM, EngineConfig, SamplingParams
 from engine.decode_mirror import DecodeKVMirror
@@ -17,6 +16,7 @@ from engine.kv_importance import KVImportance
 from kv_transfer import KVPoll, ProtocolError
 from kv_transfer.compression import codec_for, resolve_policy
 from kv_transfer.inproc.manager import Manager as InprocManager
+import prefill_node.worker as prefill_worker
 from prefill_node.worker import PrefillWorker
 from tests.conftest import (
     LLM_DEFAULTS,

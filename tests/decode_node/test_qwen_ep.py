@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.local_pair import LocalPair
+from cluster.control.local_pair import LocalPair
 from decode_node.expert_slots import SlotTable
 from decode_node.expert_tiers import TierConfig
 from decode_node.expert_weights import ExpertWeightSource

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.autoscale import Policy
+from cluster.control.autoscale import Policy
+from cluster.control.spec import ClusterSpec
 from cluster.serve.config import ConfigError, build_configs, read_config_file
-from cluster.spec import ClusterSpec
 from engine.errors import InvalidRequestError
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -31,7 +31,7 @@ def test_serve_config_loads(path: Path, tiny_model_dir: Path) -> None:
     spec, cfg = load(path, tiny_model_dir, token="t0ken")  # the GPU configs bind 0.0.0.0: --token "$DUET_TOKEN"
     assert spec.num_prefill >= 1 and spec.num_decode >= 1
     if cfg.autoscaling_policy is not None:
-        from cluster.autoscale import load_policy
+        from cluster.control.autoscale import load_policy
 
         assert isinstance(load_policy(cfg.autoscaling_policy), Policy)
     if spec.gpus_per_worker > 0:  # GPU configs pin each pool to its nodes

@@ -1,0 +1,198 @@
+"""The disaggregated cluster's spec: validated on construction, cross-checked when the cluster is built."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from decode_node.expert_tiers import TIER_POLICIES, TierConfig
+from engine.config import DTYPES, ModelConfig, TextConfig
+from engine.errors import InvalidRequestError
+
+TRANSPORTS = ("inproc", "gloo", "nccl", "grpc")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """N prefill and M decode workers serving one model. Prefill and decode share model, dtype and block size by
+    construction (one spec feeds both sides), so their KV layouts always agree."""
+
+    model_dir: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    transport: str = "gloo"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    # a prefill worker's step budget (None: max_num_batched_tokens); every prompt of a step has its KV at the step's
+    # end, so a smaller budget returns a burst's first prompts sooner where a step's time grows with its tokens (CPU),
+    # at the cost of chunking prompts that do not fit
+    prefill_max_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    cpus_per_worker: float = 1.0
+    # pin each worker's process to cores of its own (single-node CPU runs): workers take consecutive blocks of
+    # max(1, int(cpus_per_worker)) cores in spawn order (prefill first), wrapping around the machine's cores
+    pin_cpus: bool = False
+    gpus_per_worker: float = 0.0
+    stream_layers: bool = True
+    request_timeout_s: float = 600.0
+    lease_base_s: float = 5.0  # lease deadline = now + lease_base_s + bytes / lease_min_rate_bps
+    lease_min_rate_bps: float = 50e6
+    # prompt tokens a prefill worker may have between decode allocation and first token; more requests wait at the
+    # front-end, not holding a lease whose deadline runs (None: 4 x max_num_batched_tokens)
+    max_prefill_queue_tokens: int | None = None
+    kv_compression: str | dict | None = "none"  # a policy name, JSON or dict (kv_transfer.compression)
+    # expert parallelism: decode workers form groups of this size that share the experts (1: every decode worker
+    # holds all experts); each worker has expert_slots_per_worker slots per MoE layer (None: ceil(experts / size))
+    expert_parallel: int = 1
+    expert_slots_per_worker: int | None = None
+    expert_rebalance_s: float = 10.0  # the expert router's period (0: static placement unless forced)
+    expert_max_moves: int | None = None  # per layer and rebalance; None: place from scratch
+    expert_group_host: str = "127.0.0.1"  # group rendezvous address; "auto": rank 0's node IP (multi-node)
+    expert_group_timeout_s: float = 60.0  # bounds the rendezvous and every collective of the group
+    # tiered expert memory on each decode worker (decode_node.expert_tiers): a fraction (float) or count (int) of
+    # each MoE layer's experts kept on the device, the rest in host memory (None: all resident); the policy that
+    # pre-warms and evicts: "lru" (on demand) or "duet" (routing hints, forecast, look-ahead)
+    expert_resident: float | int | None = None
+    expert_cache_policy: str = "duet"
+    extra_engine: dict = field(default_factory=dict)
+    # Ray custom resources each worker of a pool asks for, placing it on that pool's nodes (deploy/ray/*.yaml mark
+    # prefill and decode GPU nodes with duet_prefill / duet_decode); None: any node with the CPUs/GPUs
+    prefill_resources: dict | None = None
+    decode_resources: dict | None = None
+    # self-healing pools (cluster.control.pool_healer): a dead worker is respawned with backoff unless it died
+    # respawn_max_deaths times within respawn_window_s (0: never respawn); every live worker is pinged every
+    # health_ping_s and one that does not answer within health_ping_timeout_s counts as dead
+    respawn_max_deaths: int = 3
+    respawn_window_s: float = 60.0
+    health_ping_s: float = 2.0
+    health_ping_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not Path(self.model_dir, "config.json").is_file():
+            raise InvalidRequestError(f"no checkpoint at {self.model_dir}")
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise InvalidRequestError("need at least one prefill and one decode worker")
+        if self.prefill_max_batched_tokens is not None and self.prefill_max_batched_tokens < 1:
+            raise InvalidRequestError("prefill_max_batched_tokens must be >= 1 (or None)")
+        if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens < 1:
+            raise InvalidRequestError("max_prefill_queue_tokens must be >= 1 (or None)")
+        if self.transport not in TRANSPORTS:
+            raise InvalidRequestError(f"unknown kv transport {self.transport!r} (choose from {', '.join(TRANSPORTS)})")
+        if self.transport == "inproc":
+            raise InvalidRequestError("the inproc transport only links workers in one process; use gloo or grpc "
+                                      "between Ray actors")
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {list(DTYPES)}")
+        if self.transport == "nccl" and self.gpus_per_worker <= 0:
+            raise InvalidRequestError("the nccl transport needs GPU workers (gpus_per_worker > 0)")
+        cfg = ModelConfig.from_pretrained(self.model_dir)  # fail here, not in an actor, on an unusable checkpoint
+        self.compression_policy()  # raises on a bad policy
+        self._check_expert_parallel(cfg.text)
+        self._check_expert_tiers(cfg.text)
+        self._check_resources()
+        self.heal_policy()  # raises on a bad respawn setting
+
+    def _check_expert_parallel(self, text: TextConfig) -> None:
+        ep, slots = self.expert_parallel, self.expert_slots_per_worker
+        if ep < 1:
+            raise InvalidRequestError(f"expert_parallel must be >= 1, got {ep}")
+        if self.num_decode % ep:
+            raise InvalidRequestError(f"expert_parallel {ep} must divide num_decode {self.num_decode} (each group "
+                                      f"of {ep} decode workers shares one copy of the experts)")
+        if ep == 1:
+            if slots is not None:
+                raise InvalidRequestError("expert_slots_per_worker needs expert_parallel > 1")
+            return
+        if not text.is_moe:
+            raise InvalidRequestError(f"expert_parallel {ep} needs an MoE model; {self.model_dir} is a dense "
+                                      f"{text.model_type} model")
+        if slots is not None and (slots < 1 or slots * ep < text.num_experts):
+            raise InvalidRequestError(f"{ep} workers x {slots} expert slots cannot hold {text.num_experts} experts "
+                                      f"(need expert_slots_per_worker >= {-(-text.num_experts // ep)})")
+        if self.expert_max_moves is not None and self.expert_max_moves < 1:
+            raise InvalidRequestError("expert_max_moves must be >= 1 (or None)")
+        if self.expert_rebalance_s < 0 or self.expert_group_timeout_s <= 0:
+            raise InvalidRequestError("expert_rebalance_s must be >= 0 and expert_group_timeout_s > 0")
+
+    def _check_expert_tiers(self, text: TextConfig) -> None:
+        if self.expert_cache_policy not in TIER_POLICIES:
+            raise InvalidRequestError(f"unknown expert_cache_policy {self.expert_cache_policy!r} (choose from "
+                                      f"{', '.join(TIER_POLICIES)})")
+        if self.expert_resident is None:
+            return
+        if not text.is_moe:
+            raise InvalidRequestError(f"expert_resident needs an MoE model; {self.model_dir} is a dense "
+                                      f"{text.model_type} model")
+        if self.expert_parallel > 1:
+            raise InvalidRequestError("expert_resident (tiered expert memory) is not supported with expert_parallel "
+                                      "> 1 yet")
+        TierConfig(**self.tier_config()).capacity(sum(text.moe_layers), text.num_experts)  # a count above E raises
+
+    def _check_resources(self) -> None:
+        for name in ("prefill_resources", "decode_resources"):
+            res = getattr(self, name)
+            if res is None:
+                continue
+            if not isinstance(res, dict):
+                raise InvalidRequestError(f"{name} must be a mapping of Ray resource name -> amount, got {res!r}")
+            for key, amount in res.items():
+                if not isinstance(key, str) or not key:
+                    raise InvalidRequestError(f"{name}: resource names must be non-empty strings, got {key!r}")
+                if key in ("CPU", "GPU", "memory", "object_store_memory"):
+                    raise InvalidRequestError(f"{name}: {key} is set by cpus_per_worker / gpus_per_worker, not here")
+                if isinstance(amount, bool) or not isinstance(amount, int | float) or amount <= 0:
+                    raise InvalidRequestError(f"{name}.{key} must be a positive number, got {amount!r}")
+
+    def actor_options(self, role: str) -> dict:
+        """Ray ``.options()`` for a worker of ``role`` ("prefill" or "decode"): CPUs, GPUs and the pool's custom
+        resources."""
+        res = self.prefill_resources if role == "prefill" else self.decode_resources
+        return dict(num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker, **({"resources": dict(res)} if res
+                                                                                      else {}))
+
+    def tier_config(self) -> dict | None:
+        """The decode workers' :class:`decode_node.expert_tiers.TierConfig` as a dict (None: all experts resident).
+        Raises InvalidRequestError on a bad fraction or count."""
+        if self.expert_resident is None:
+            return None
+        return TierConfig(self.expert_resident, self.expert_cache_policy).to_dict()
+
+    def slots_per_worker(self, num_experts: int) -> int:
+        """Expert slots per decode worker and MoE layer (expert-parallel groups)."""
+        return self.expert_slots_per_worker or -(-num_experts // self.expert_parallel)
+
+    def heal_policy(self):
+        """The :class:`cluster.control.pool_healer.HealPolicy` of this cluster's pools."""
+        from cluster.control.pool_healer import HealPolicy
+
+        return HealPolicy(max_deaths=self.respawn_max_deaths, window_s=self.respawn_window_s,
+                          ping_interval_s=self.health_ping_s, ping_timeout_s=self.health_ping_timeout_s)
+
+    def compression_policy(self) -> dict | None:
+        """The KV compression policy as a dict for the workers (None: uncompressed)."""
+        from kv_transfer.compression import InvalidPolicy, resolve_policy
+
+        try:
+            policy = resolve_policy(self.kv_compression)
+        except InvalidPolicy as e:
+            raise InvalidRequestError(f"kv_compression: {e}") from None
+        return None if policy is None else policy.to_dict()
+
+    def engine_config(self, role: str) -> dict:
+        """EngineConfig fields for a worker of ``role`` (the same pool layout; prefill workers take their own step
+        budget when ``prefill_max_batched_tokens`` is set)."""
+        budget = self.max_num_batched_tokens
+        if role == "prefill" and self.prefill_max_batched_tokens is not None:
+            budget = self.prefill_max_batched_tokens
+        extra = dict(self.extra_engine)
+        if role == "prefill":  # a prefill worker never decodes: no staging to reserve
+            extra.pop("decode_mirror_tokens", None)
+        return dict(dtype=self.dtype, device="cuda" if self.gpus_per_worker > 0 else "cpu",
+                    block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
+                    max_num_batched_tokens=budget, max_model_len=self.max_model_len, **extra)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

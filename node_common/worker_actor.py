@@ -1,0 +1,66 @@
+"""What every worker actor shares: identity, a loop thread, and the idle leak check used by tests and operators.
+
+Subclasses set ``role``, build ``self.worker`` (with ``has_work()`` and ``engine``) and ``self.manager``, then call
+:meth:`_start`; ``_loop`` is theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from node_common import messages
+
+
+class WorkerActorBase:
+    role = "worker"
+
+    def _init_common(self, worker_id: str, num_threads: int, cpus: list[int] | None = None) -> None:
+        if cpus:
+            pin_process(cpus)
+        torch.set_num_threads(max(1, num_threads))  # Ray sets OMP_NUM_THREADS=1 for fractional actors
+        self.worker_id = worker_id
+        self.lock = threading.Lock()
+        self.stopped = False
+
+    def _start(self) -> None:
+        self.thread = threading.Thread(target=self._loop, name=f"{self.role}-{self.worker_id}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def ping(self) -> bytes:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return messages.pack(worker_id=self.worker_id, role=self.role, cpus=cpus)
+
+    def clear_vision_cache(self) -> int:
+        """Forget the engine's cached image encodings (for benchmarks that replay the same images)."""
+        with self.lock:
+            return self.worker.engine.clear_vision_cache()
+
+    def check_no_leaks(self) -> bytes:
+        """``{"idle", "held"}``: when idle, asserts every KV block is free or cached with zero references."""
+        with self.lock:
+            bm = self.worker.engine.block_manager
+            idle = not self.worker.has_work()
+            if idle:
+                bm.check_no_leaks()
+            return messages.pack(idle=idle, held=sum(b.ref_count > 0 for b in bm.blocks))
+
+
+def pin_process(cpus: list[int]) -> None:
+    """Pin every thread of this process (and the threads it starts later) to ``cpus`` (Linux; a no-op elsewhere)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # a thread that exited meanwhile
+            pass

@@ -1,0 +1,1 @@
+"""Developer scripts, not installed: stub generation (``gen_protos.py``), setup (``setup.sh``), demo training."""

@@ -1,0 +1,64 @@
+"""Prefill placement on a local Ray cluster (two prefill workers): a burst is shared by both (the router's one load
+signal, placed at admission), and a prompt that repeats a cached image prefix goes to the worker that cached it, the
+hit showing in the cluster's status and the Prometheus metrics."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from cluster.control.disagg import DisaggCluster
+from cluster.control.spec import ClusterSpec
+from tests.conftest import greedy, make_image, make_request
+
+
+@pytest.fixture(scope="module")
+def two_prefill(ray_cluster, tiny_model_dir):
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_prefill=2, num_decode=2, num_kv_blocks=160, block_size=4,
+                       max_num_seqs=24, max_model_len=96, cpus_per_worker=1, request_timeout_s=120)
+    c = DisaggCluster(spec)
+    yield c
+    c.shutdown()
+
+
+def _prefill_of(completion) -> str:
+    return completion.timeline["prefill_worker"]
+
+
+def test_a_burst_is_shared_by_both_prefill_workers(two_prefill):
+    prompts = [make_request(6 + i % 5, seed=100 + i) for i in range(48)]  # distinct first blocks: no affinity
+    got = two_prefill.generate_batch(prompts, greedy(2))
+    assert all(len(x.token_ids) == 2 for x in got)
+    share = Counter(_prefill_of(x) for x in got)
+    print(f"burst share of 48: {dict(share)}")
+    assert set(share) == {"prefill-0", "prefill-1"} and min(share.values()) >= 0.3 * 48, share
+    assert all(w.prefill_tokens == 0 for w in two_prefill.prefills)  # the one counter drains to zero
+    assert set(two_prefill.check_no_leaks().values()) == {0}
+
+
+def test_a_repeated_image_prefix_goes_to_the_worker_that_cached_it(two_prefill):
+    a, b = make_image(seed=71), make_image(seed=72)
+    # concurrently, so one lands on each worker (one prompt per idle worker at a time)
+    warm = two_prefill.generate_batch([make_request(6, seed=1, images=[a]), make_request(6, seed=2, images=[b])],
+                                      greedy(2))
+    holder = {"a": _prefill_of(warm[0]), "b": _prefill_of(warm[1])}
+    assert holder["a"] != holder["b"]
+    before = two_prefill.prefix_summary(two_prefill.status())
+    for key, img, seed in (("b", b, 3), ("a", a, 4), ("b", b, 5)):
+        again = two_prefill.generate_batch([make_request(6, seed=seed, images=[img])], greedy(2))[0]
+        assert _prefill_of(again) == holder[key]
+    after = two_prefill.prefix_summary(two_prefill.status())
+    assert after["cached_tokens"] > before["cached_tokens"] and after["hit_rate"] > 0
+    assert after["predicted_cached_tokens"] > before["predicted_cached_tokens"]
+    assert 0 < after["predicted_hit_rate"] < 1
+
+
+def test_the_hit_rate_is_in_the_metrics(two_prefill):
+    from cluster.serve.metrics import Metrics
+
+    metrics = Metrics(kv_blocks=lambda: [], in_flight=lambda: 0)
+    sampler = metrics.attach_cluster(two_prefill, refresh_s=60)
+    sampler.refresh()
+    text = metrics.render().decode()
+    assert "duet_prefix_cache_hit_rate" in text and "duet_prefill_cached_tokens" in text
