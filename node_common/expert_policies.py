@@ -1,4 +1,5 @@
-"""Expert-cache policies: what to pre-warm and what to evict. The call contract is in :mod:`cluster.experts.expert_cache`.
+"""Expert-cache policies: what to pre-warm and what to evict. The call contract is in
+:mod:`cluster.experts.expert_cache`.
 
 A policy holds only what it was told (hints, observed counts); the simulator -- or a real decode worker -- owns
 residency and copies. :class:`BeladyPolicy` is the exception by design: it reads the whole trace (the offline optimum).

@@ -14,7 +14,7 @@ from decode_node.expert_slots import SlotTable
 from decode_node.expert_tiers import TierConfig
 from decode_node.expert_weights import ExpertWeightSource
 from engine import LLM, EngineConfig
-from tests.cluster.test_qwen_disagg import CFG, SIZES, SPEC, qwen_image, qwen_request
+from tests.cluster.control.test_qwen_disagg import CFG, SIZES, SPEC, qwen_image, qwen_request
 from tests.conftest import greedy
 from tests.decode_node.test_expert_parallel import _decode_group
 

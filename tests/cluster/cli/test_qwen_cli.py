@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.qwen_checkpoints import make_tiny_qwen_checkpoint
 from engine.qwen_image_processor import QwenVLImageProcessor
 from tests.conftest import make_image
-from tests.serve.test_qwen_serve import QUESTION, SPEC, expected_prompt_ids
+from tests.cluster.serve.test_qwen_serve import QUESTION, SPEC, expected_prompt_ids
 
 MAX_TOKENS = 6
 VIDEO_PAD = SPEC.special_token_ids["<|video_pad|>"]

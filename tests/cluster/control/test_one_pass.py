@@ -18,7 +18,7 @@ from engine import LLM, EngineConfig
 from engine.inputs import InputProcessor
 from engine.qwen_image_processor import QwenVLImageProcessor
 from node_common import messages, prompt_wire
-from tests.cluster.test_qwen_disagg import qwen_image, qwen_request
+from tests.cluster.control.test_qwen_disagg import qwen_image, qwen_request
 from tests.conftest import LLM_DEFAULTS, greedy, make_image, make_request
 
 PNG = b"\x89PNG"

@@ -23,7 +23,7 @@ from cluster.serve.limits import (
 from cluster.serve.stop_strings import StopMatcher
 from engine.errors import ImageDecodeError, InvalidRequestError
 from tests.conftest import make_image
-from tests.serve.conftest import png_header_only
+from tests.cluster.serve.conftest import png_header_only
 
 
 def _png(w: int, h: int) -> bytes:

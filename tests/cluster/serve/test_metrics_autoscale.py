@@ -221,7 +221,7 @@ def scaled_cluster(ray_cluster):
 
 
 def test_autoscaler_scales_prefill_up_on_ttft_breach_then_drains_it_when_idle(scaled_cluster, tmp_path: Path):
-    from tests.serve.conftest import wait_idle
+    from tests.cluster.serve.conftest import wait_idle
 
     policy = tmp_path / "tiny.yaml"
     policy.write_text("interval_s: 0.2\n"

@@ -27,7 +27,7 @@ from duet_client import (
 )
 from duet_client._proto.duet.v1 import duet_pb2 as pb
 from duet_client._proto.duet.v1 import duet_pb2_grpc as pb_grpc
-from tests.serve.conftest import SHAPES_ANSWER, png_header_only, wait_idle
+from tests.cluster.serve.conftest import SHAPES_ANSWER, png_header_only, wait_idle
 
 TOKEN = "s3cret"
 SHAPES = Path(__file__).resolve().parents[3] / "examples" / "shapes.png"

@@ -12,7 +12,7 @@ import pytest
 
 from cluster.serve import ServeConfig, ServerThread
 from duet_client import Client, TLSConfig, Unavailable
-from tests.serve.test_server import SHAPES
+from tests.cluster.serve.test_server import SHAPES
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
