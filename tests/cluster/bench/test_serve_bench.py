@@ -101,6 +101,7 @@ def test_quick_run_writes_the_figures(ray_cluster, tmp_path, capsys, monkeypatch
         assert s["goodput_req_s"] is not None and 0 <= s["slo_attainment"] <= 1
         assert all(r["tokens"] >= 1 for r in s["records"])
     assert {"p99_tpot", "goodput"} == set(row["ratios"])
+    assert row["disaggregated"]["frontend_cpu_ms_per_request"] > 0  # the front-end process's CPU per request
     assert set(got["criteria"]) >= {"checks", "met", "rates_colocated_wins", "planner", "planner_met"}
     # the planner check: profiles of both systems, each rate's requests simulated, errors against the measurement
     assert set(got["profiles"]) == {"workers", "colocated"}
@@ -113,4 +114,4 @@ def test_quick_run_writes_the_figures(ray_cluster, tmp_path, capsys, monkeypatch
     (check,) = got["criteria"]["planner"]
     assert check["rate"] == 4.0 and check["max_abs_error"] >= 0
     out = capsys.readouterr().out
-    assert "colocated" in out and "TTFT p50 pred" in out
+    assert "colocated" in out and "TTFT p50 pred" in out and "ms of CPU per request" in out
