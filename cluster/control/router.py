@@ -9,7 +9,11 @@ admission cap), the pick minimises the expected time to first token::
     expected_s = (queued_tokens + prompt_tokens - cached_tokens) * s_per_token
 
 A worker whose speed is not measured yet is assumed as fast as the mean of the measured ones (1.0 when none is).
-Ties go to fewer queued tokens, then to the lower worker id.
+Speeds enter at most ``MAX_SPEED_SPREAD`` (2x) slower than the fastest worker's: the workers of a pool run one model
+on one kind of machine, so a larger measured gap is mostly noise (a sample taken while the host was busy), and
+without the bound a few such samples starve a worker (a burst of 48 split 37 / 11 on a loaded 2-core machine); a
+worker that is really slower still gets at most half the work of a fast one, and one that stops answering is the
+healer's to replace. Ties go to fewer queued tokens, then to the lower worker id.
 
 Worked example (block size 4, a 40-token prompt whose first 6 blocks = 24 tokens sit in prefill-1's cache)::
 
@@ -26,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+MAX_SPEED_SPREAD = 2.0  # placement counts no worker more than this many times slower than the pool's fastest
 PREFIX_INDEX_SIZE = 4096  # block hashes remembered per prefill worker (16 bytes each: ~64 KiB a worker)
 
 
@@ -60,10 +65,11 @@ def pick_prefill(loads: Sequence[PrefillLoad], prompt_tokens: int) -> PrefillLoa
     none has room (the caller waits for room, then asks again)."""
     measured = [w.s_per_token for w in loads if w.s_per_token is not None]
     default = sum(measured) / len(measured) if measured else 1.0
+    slowest = MAX_SPEED_SPREAD * min(measured, default=default)
     open_ = [w for w in loads if w.has_room]
     if not open_:
         return None
-    return min(open_, key=lambda w: (expected_prefill_s(w, prompt_tokens, w.s_per_token or default),
+    return min(open_, key=lambda w: (expected_prefill_s(w, prompt_tokens, min(w.s_per_token or default, slowest)),
                                      w.queued_tokens, w.worker_id))
 
 

@@ -39,6 +39,15 @@ def test_speed_weights_the_queue():
     assert pick_prefill(loads, 20).worker_id == "fast"
 
 
+def test_a_noisy_slow_measurement_counts_at_most_twice_the_fastest():
+    # measured 5x slower (a sample taken while the host was busy): placed as if 2x slower, so an idle worker still
+    # takes the next prompt while the fast one has one queued
+    loads = [PrefillLoad("fast", 10, 0.01), PrefillLoad("noisy", 0, 0.05)]
+    assert pick_prefill(loads, 10).worker_id == "noisy"  # (0 + 10) * 0.02 <= (10 + 10) * 0.01: a tie, fewer queued
+    assert pick_prefill([PrefillLoad("fast", 30, 0.01), PrefillLoad("noisy", 0, 0.05)], 10).worker_id == "noisy"
+    assert pick_prefill([PrefillLoad("fast", 5, 0.01), PrefillLoad("noisy", 10, 0.05)], 10).worker_id == "fast"
+
+
 def test_unmeasured_worker_counts_at_the_mean_speed():
     loads = [PrefillLoad("a", 50, 0.02), PrefillLoad("b", 40, None)]
     assert pick_prefill(loads, 10).worker_id == "b"  # (40 + 10) * 0.02 < (50 + 10) * 0.02
