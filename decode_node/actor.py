@@ -23,7 +23,7 @@ from decode_node.expert_tiers import TierConfig
 from decode_node.worker import DecodeWorker, StepReport
 from engine import EngineConfig
 from engine.errors import DuetError
-from kv_transfer import get_manager_class
+from kv_transfer import ClusterSecret, get_manager_class
 from node_common import messages, prompt_wire
 from node_common.worker_actor import WorkerActorBase
 
@@ -36,9 +36,10 @@ class DecodeActor(WorkerActorBase):
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *,
                  num_threads: int = 1, cpus: list[int] | None = None, lease_base_s: float = 5.0, lease_min_rate_bps: float = 50e6,
                  compression: dict | None = None, expert_parallel: dict | None = None,
-                 expert_tiers: dict | None = None) -> None:
+                 expert_tiers: dict | None = None, secret: ClusterSecret | None = None) -> None:
         self._init_common(worker_id, num_threads, cpus)
-        self.manager = get_manager_class(transport)(worker_id=worker_id)
+        # secret: the cluster's data-plane key (None: data_plane_auth "off"), a constructor argument pickled by Ray
+        self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret)
         ep = None if expert_parallel is None else ExpertParallelConfig(**expert_parallel)
         self.worker = DecodeWorker(model_dir, EngineConfig(**engine_config), self.manager, lease_base_s=lease_base_s,
                                    lease_min_rate_bps=lease_min_rate_bps, compression=compression,
@@ -127,11 +128,14 @@ class DecodeActor(WorkerActorBase):
             e = self.worker.engine
             experts = None if self.worker.ep is None else self.worker.ep.stats()
             tiers = None if self.worker.tiers is None else self.worker.tiers.summary()
+            kv = e.kv_memory()
             return messages.pack(worker_id=self.worker_id, free_blocks=self.worker.free_blocks,
                                  max_model_len=e.max_model_len, receiving=len(self.worker.receivers),
+                                 kv_pool_bytes=kv.pool_bytes, kv_mirror_bytes=kv.mirror_bytes,
                                  running=len(e.scheduler.running),
                                  step_s=self.worker.step_s, cpu_s=time.process_time(),
-                                 experts=experts, expert_tiers=tiers)
+                                 experts=experts, expert_tiers=tiers, kv_refused=self.manager.refused(),
+                                 kv_endpoint=self.manager.endpoint)
 
     def shutdown(self) -> None:
         self.stopped = True

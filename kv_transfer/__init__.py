@@ -26,14 +26,17 @@ States only move forward (:class:`KVPoll` is ordered); FAILED carries a typed :c
 (``failure_exception()``). Every wait is bounded and every transfer ends by its lease deadline at the latest.
 """
 
+from kv_transfer.auth import ClusterSecret
 from kv_transfer.base import (
                               ChecksumMismatch,
+                              FrameReplayed,
                               KVLayout,
                               KVManager,
                               KVPoll,
                               KVReceiver,
                               KVSender,
                               Lease,
+                              LeaseMismatch,
                               MissingLayer,
                               PeerUnavailable,
                               ProtocolError,
@@ -41,6 +44,7 @@ from kv_transfer.base import (
                               TransferAborted,
                               TransferError,
                               TransferTimeout,
+                              Unauthenticated,
                               transfer_deadline,
 )
 from kv_transfer.codec import Codec, IdentityCodec, get_codec, register_codec
@@ -59,9 +63,11 @@ from kv_transfer.registry import TRANSPORTS, get_manager_class
 __all__ = [
                               "TRANSPORTS",
                               "ChecksumMismatch",
+                              "ClusterSecret",
                               "Codec",
                               "CodecContext",
                               "CompressionPolicy",
+                              "FrameReplayed",
                               "IdentityCodec",
                               "InvalidPolicy",
                               "KVLayout",
@@ -70,6 +76,7 @@ __all__ = [
                               "KVReceiver",
                               "KVSender",
                               "Lease",
+                              "LeaseMismatch",
                               "Method",
                               "MissingLayer",
                               "ModalCodec",
@@ -79,6 +86,7 @@ __all__ = [
                               "TransferAborted",
                               "TransferError",
                               "TransferTimeout",
+                              "Unauthenticated",
                               "codec_for",
                               "get_codec",
                               "get_manager_class",

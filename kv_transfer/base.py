@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import abc
 import math
+import secrets
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -83,10 +84,23 @@ class ProtocolError(TransferError):
     """A frame or message was malformed, had an unknown version, or did not match the lease."""
 
 
+class Unauthenticated(ProtocolError):
+    """A peer or frame without the lease's proof (a stranger, a forged or missing MAC): refused, counted, and the
+    transfer it named goes on (:mod:`kv_transfer.auth`)."""
+
+
+class FrameReplayed(Unauthenticated):
+    """An authentic frame whose sequence number was already accepted for its lease (a replay)."""
+
+
+class LeaseMismatch(Unauthenticated):
+    """A frame bound to another lease than the transfer it was addressed to."""
+
+
 ERRORS: dict[str, type[TransferError]] = {
     cls.__name__: cls
     for cls in (TransferError, TransferTimeout, TransferAborted, ChecksumMismatch, MissingLayer, PeerUnavailable,
-                ProtocolError)
+                ProtocolError, Unauthenticated, FrameReplayed, LeaseMismatch)
 }
 
 
@@ -143,7 +157,8 @@ class KVLayout:
 class Lease:
     """The decode side's promise: blocks are reserved for ``request_id`` until ``deadline_s`` (absolute wall time).
 
-    Crosses processes as ``to_dict()`` (msgpack-able, with a ``"version"`` field).
+    Crosses processes as ``to_dict()`` (msgpack-able, with a ``"version"`` field). ``lease_id`` is fresh per lease
+    (public): with the cluster secret it derives the lease's one-time token (:mod:`kv_transfer.auth`).
     """
 
     request_id: str
@@ -152,6 +167,7 @@ class Lease:
     transport: str
     endpoint: str
     deadline_s: float
+    lease_id: str = field(default_factory=lambda: secrets.token_hex(16))
 
     def __post_init__(self) -> None:
         if not self.request_id or not isinstance(self.request_id, str):
@@ -280,6 +296,10 @@ class KVManager(abc.ABC):
         An unreachable peer does not raise here: the sender ends FAILED with :class:`PeerUnavailable`. Raises
         ``ValueError`` for a lease of another transport and :class:`PeerUnavailable` when this manager is closed.
         """
+
+    @abc.abstractmethod
+    def refused(self) -> dict[str, int]:
+        """Frames and peers this manager refused (:class:`Unauthenticated` and subclasses), by class name."""
 
     @abc.abstractmethod
     def num_active(self) -> int:

@@ -13,6 +13,7 @@ done       sender      the receiver reached SUCCESS
 =========  ==========  ===================================================================
 
 Link frames (no request): ``ping`` (keepalive on an idle link), ``bye`` (orderly close of a link).
+With data-plane auth on, request frames also carry ``"lease"``, ``"seq"`` and ``"mac"`` (:mod:`kv_transfer.auth`).
 A header with another ``"v"`` is rejected with :class:`ProtocolError` (carrying the request id when readable).
 """
 
@@ -43,12 +44,22 @@ def pack(header: dict[str, Any]) -> bytes:
 
 def unpack(data: bytes | bytearray | memoryview) -> dict[str, Any]:
     """Parse and version-check a header. Raises :class:`FrameRejected`."""
+    return check(parse(data))
+
+
+def parse(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """The header map, not yet version-checked (a receiver verifies its MAC first). Raises :class:`FrameRejected`."""
     try:
         header = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types for garbage
         raise FrameRejected(f"frame header is not msgpack: {e}") from e
     if not isinstance(header, dict):
         raise FrameRejected(f"frame header is a {type(header).__name__}, not a map")
+    return header
+
+
+def check(header: dict[str, Any]) -> dict[str, Any]:
+    """``header`` when its version is this one and it has a kind; else :class:`FrameRejected`."""
     if header.get("v") != FRAME_VERSION:
         rid, to = header.get("request_id"), header.get("to")
         raise FrameRejected(f"frame version {header.get('v')!r} is not supported (expected {FRAME_VERSION})",

@@ -21,13 +21,13 @@ import torch
 
 from kv_transfer import frames
 from kv_transfer.base import KVPoll, PeerUnavailable, TransferError
-from kv_transfer.transfer import BaseSender, FinishJob, LayerJob, Transfer
+from kv_transfer.transfer import BaseSender, ControlJob, FinishJob, LayerJob, Transfer
 
 if TYPE_CHECKING:
     from kv_transfer.routing import Dispatcher
 
 log = logging.getLogger(__name__)
-Item = dict[str, Any] | LayerJob | FinishJob
+Item = dict[str, Any] | ControlJob | LayerJob | FinishJob  # a dict: a link frame (ping / bye)
 
 
 class LinkState(IntEnum):
@@ -42,7 +42,7 @@ class Outbox:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._control: deque[dict[str, Any]] = deque()
+        self._control: deque[dict[str, Any] | ControlJob] = deque()
         self._data: deque[LayerJob | FinishJob] = deque()
         self._closed = False
 
@@ -51,7 +51,7 @@ class Outbox:
         with self._cond:
             if self._closed:
                 return False
-            (self._control if isinstance(item, dict) else self._data).append(item)
+            (self._control if isinstance(item, dict | ControlJob) else self._data).append(item)
             self._closed = last
             self._cond.notify()
             return True
@@ -216,6 +216,8 @@ class Link:
     def _encode(item: Item) -> tuple[dict[str, Any], torch.Tensor | None] | None:
         if isinstance(item, dict):
             return item, None
+        if isinstance(item, ControlJob):
+            return item.transfer.seal(item.header), None
         try:
             return item.sender.encode_job(item)
         except Exception as e:  # a bad job fails its own transfer, not the link

@@ -34,6 +34,7 @@ from kv_transfer.base import (
 from kv_transfer.codec import Codec, decode_layer, encode_layer
 
 if TYPE_CHECKING:
+    from kv_transfer.auth import LeaseAuth
     from kv_transfer.compression import CodecContext
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,13 @@ TERMINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
 
 
 class Transfer:
-    """Forward-only state with a condition to wait on; the lease deadline is applied by ``poll``/``wait``."""
+    """Forward-only state with a condition to wait on; the lease deadline is applied by ``poll``/``wait``.
 
-    def __init__(self, lease: Lease, initial: KVPoll) -> None:
-        self.lease = lease
+    ``auth`` (None: data-plane auth off) seals this side's frames and verifies the peer's (:mod:`kv_transfer.auth`).
+    """
+
+    def __init__(self, lease: Lease, initial: KVPoll, auth: LeaseAuth | None = None) -> None:
+        self.lease, self.auth = lease, auth
         self._state = initial
         self._error: TransferError | None = None
         self._cond = threading.Condition()
@@ -75,6 +79,16 @@ class Transfer:
 
     def failure_exception(self) -> TransferError | None:
         return self._error
+
+    def seal(self, header: dict[str, Any], payload: torch.Tensor | None = None) -> dict[str, Any]:
+        """Transport thread, in transmit order: ``header`` ready for the wire (bound to the lease when auth is on)."""
+        return header if self.auth is None else self.auth.seal(header, payload)
+
+    def verify(self, header: dict[str, Any], payload: torch.Tensor | None) -> None:
+        """Transport thread, before ``handle_frame``: raise :class:`~kv_transfer.base.Unauthenticated` (or a subclass)
+        for a frame that is not the peer's next one for this lease."""
+        if self.auth is not None:
+            self.auth.verify(header, payload)
 
     def abort(self, reason: str = "aborted") -> None:
         self._fail(TransferAborted(f"request {self.request_id!r}: {reason}"), notify_peer=True)
@@ -119,11 +133,20 @@ class FinishJob:
     meta: dict[str, Any]
 
 
+@dataclass
+class ControlJob:
+    """A control frame (open / abort / done) of one transfer, sealed when its link transmits it."""
+
+    transfer: Transfer
+    header: dict[str, Any]
+
+
 class BaseSender(Transfer, KVSender):
     """See :class:`KVSender`. ``payload_device``: where payloads must be for the wire (None: where k/v are)."""
 
-    def __init__(self, lease: Lease, *, codec: Codec, payload_device: torch.device | None = None) -> None:
-        super().__init__(lease, KVPoll.BOOTSTRAPPING)
+    def __init__(self, lease: Lease, *, codec: Codec, payload_device: torch.device | None = None,
+                 auth: LeaseAuth | None = None) -> None:
+        super().__init__(lease, KVPoll.BOOTSTRAPPING, auth)
         self._codec, self._payload_device = codec, payload_device
         self._sent = bytearray(lease.layout.num_layers)
         self._finished = self._finish_encoded = False
@@ -168,7 +191,7 @@ class BaseSender(Transfer, KVSender):
             return None
         if isinstance(job, FinishJob):
             self._finish_encoded = True
-            return frames.finish_frame(self.request_id, job.meta), None
+            return self.seal(frames.finish_frame(self.request_id, job.meta)), None
         if job.ready is not None:
             job.ready.synchronize()
         codec_header, payload = encode_layer(self.request_id, job.layer, job.k, job.v, self._codec, job.ctx,
@@ -176,6 +199,7 @@ class BaseSender(Transfer, KVSender):
         header = frames.layer_frame(codec_header)
         if self.tamper is not None:
             self.tamper(header, payload)
+        header = self.seal(header, payload)  # after tamper: a test's corruption is the sender's, not the wire's
         self._advance(KVPoll.TRANSFERRING)
         return header, payload
 
@@ -198,8 +222,9 @@ class BaseReceiver(Transfer, KVReceiver):
     """See :class:`KVReceiver`. The sink lock makes ``abort()`` wait for a running sink call, so that no sink
     call happens after a failure is visible (the decode side may free the blocks right then)."""
 
-    def __init__(self, lease: Lease, sink: Sink, on_done: Callable[[dict], None] | None = None) -> None:
-        super().__init__(lease, KVPoll.WAITING)
+    def __init__(self, lease: Lease, sink: Sink, on_done: Callable[[dict], None] | None = None,
+                 auth: LeaseAuth | None = None) -> None:
+        super().__init__(lease, KVPoll.WAITING, auth)
         self._sink, self._on_done = sink, on_done
         self._sink_lock = threading.RLock()
         self._arrived = bytearray(lease.layout.num_layers)

@@ -27,6 +27,8 @@ for _cls, _code in ((kv_base.TransferError, "transfer"), (kv_base.TransferTimeou
                     (kv_base.TransferAborted, "transfer_aborted"), (kv_base.ChecksumMismatch, "checksum_mismatch"),
                     (kv_base.MissingLayer, "missing_layer"), (kv_base.PeerUnavailable, "peer_unavailable"),
                     (kv_base.ProtocolError, "protocol"), (FrameRejected, "frame_rejected"),
+                    (kv_base.Unauthenticated, "unauthenticated"), (kv_base.FrameReplayed, "frame_replayed"),
+                    (kv_base.LeaseMismatch, "lease_mismatch"),
                     (HandoffMismatch, "handoff_mismatch")):
     errors.register(_cls, _code, retryable=True)
 

@@ -11,7 +11,7 @@ import threading
 import time
 
 from engine import EngineConfig
-from kv_transfer import Lease, get_manager_class
+from kv_transfer import ClusterSecret, Lease, get_manager_class
 from node_common import messages, prompt_wire
 from node_common.worker_actor import WorkerActorBase
 from prefill_node.worker import PrefillWorker
@@ -23,9 +23,11 @@ class PrefillActor(WorkerActorBase):
     role = "prefill"
 
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *, num_threads: int = 1, cpus: list[int] | None = None,
-                 stream_layers: bool = True, compression: dict | None = None) -> None:
+                 stream_layers: bool = True, compression: dict | None = None,
+                 secret: ClusterSecret | None = None) -> None:
         self._init_common(worker_id, num_threads, cpus)
-        self.manager = get_manager_class(transport)(worker_id=worker_id)
+        # secret: the cluster's data-plane key (None: data_plane_auth "off"), a constructor argument pickled by Ray
+        self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret)
         self.worker = PrefillWorker(model_dir, EngineConfig(**engine_config), stream_layers=stream_layers,
                                     compression=compression)
         self.wake = threading.Event()
@@ -56,11 +58,13 @@ class PrefillActor(WorkerActorBase):
     def stats(self) -> bytes:
         with self.lock:
             e = self.worker.engine
+            kv = e.kv_memory()
             return messages.pack(worker_id=self.worker_id, waiting=len(e.scheduler.waiting),
                                  running=len(e.scheduler.running), max_model_len=e.max_model_len,
                                  prompt_tokens=self.worker.prompt_tokens, cached_tokens=self.worker.cached_tokens,
                                  free_blocks=e.block_manager.num_free_blocks,
-                                 cpu_s=time.process_time())  # every thread's: compute, intake, KV sends
+                                 kv_pool_bytes=kv.pool_bytes, kv_mirror_bytes=kv.mirror_bytes,
+                                 kv_refused=self.manager.refused(), cpu_s=time.process_time())  # every thread's: compute, intake, KV sends
 
     def inject_fault(self, kind: str, value: float) -> None:
         """Tests only: ``layer_delay_s`` (seconds after each layer's compute) or ``corrupt_next`` (count)."""

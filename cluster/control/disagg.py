@@ -36,6 +36,7 @@ from engine.errors import DuetError, OutOfBlocksError, is_retryable
 from engine.inputs import InputProcessor, image_processor_for
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
+from kv_transfer import ClusterSecret
 from node_common import messages, prompt_wire
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,9 @@ class DisaggCluster(ClusterOps):
             ray.init(address=ray_address, include_dashboard=False, ignore_reinit_error=True,
                      log_to_driver=False, configure_logging=False)
         self.spec = spec
+        # the data plane's key: generated here, held by this front-end and handed to each worker as a constructor
+        # argument (Ray pickles it on the control plane); never logged, never on a command line or in the environment
+        self._secret = ClusterSecret.generate() if spec.data_plane_auth == "hmac" else None
         cfg = ModelConfig.from_pretrained(spec.model_dir)
         tok = Tokenizer.from_pretrained(spec.model_dir) if (Path(spec.model_dir) / "tokenizer.json").is_file() else None
         improc = image_processor_for(spec.model_dir, cfg)  # LLaVA's fixed-size or Qwen3-VL's native-resolution
@@ -211,7 +215,7 @@ class DisaggCluster(ClusterOps):
 
         spec = self.spec
         common = {"num_threads": max(1, int(spec.cpus_per_worker)), "compression": spec.compression_policy(),
-                  "cpus": self._next_cpus() if spec.pin_cpus else None}
+                  "cpus": self._next_cpus() if spec.pin_cpus else None, "secret": self._secret}
         if role == "prefill":
             extra = {"stream_layers": spec.stream_layers}
         else:

@@ -17,6 +17,7 @@ from decode_node.expert_tiers import TierConfig
 from decode_node.worker import DecodeWorker
 from engine import EngineConfig, RequestOutput, SamplingParams
 from engine.inputs import InputProcessor, ProcessedPrompt
+from kv_transfer import ClusterSecret
 from kv_transfer.inproc.manager import Manager as InprocManager
 from node_common import messages, prompt_wire
 from prefill_node.worker import PrefillWorker
@@ -29,7 +30,8 @@ class PairTimeout(TimeoutError):
 class LocalPair:
     def __init__(self, model_dir: str | Path, config: EngineConfig, *, compression: Any = None,
                  stream_layers: bool = True, expert_tiers: TierConfig | None = None) -> None:
-        self.prefill_manager, self.decode_manager = InprocManager(), InprocManager()
+        secret = ClusterSecret.generate()  # the pair's data-plane key, as a cluster's front-end makes one
+        self.prefill_manager, self.decode_manager = InprocManager(secret=secret), InprocManager(secret=secret)
         self.prefill = PrefillWorker(model_dir, config, stream_layers=stream_layers, compression=compression)
         self.decode = DecodeWorker(model_dir, config, self.decode_manager, compression=compression,
                                    expert_tiers=expert_tiers)

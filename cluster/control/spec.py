@@ -10,6 +10,7 @@ from engine.config import DTYPES, ModelConfig, TextConfig
 from engine.errors import InvalidRequestError
 
 TRANSPORTS = ("inproc", "gloo", "nccl", "grpc")
+DATA_PLANE_AUTH = ("hmac", "off")
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,9 @@ class ClusterSpec:
     num_prefill: int = 1
     num_decode: int = 1
     transport: str = "gloo"
+    # the KV data plane: "hmac" (default) admits a peer only with its lease's token and MACs every frame with a key
+    # derived from a per-cluster secret (kv_transfer.auth); "off" trusts whatever reaches the workers' ports
+    data_plane_auth: str = "hmac"
     dtype: str = "float32"
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -84,6 +88,9 @@ class ClusterSpec:
         if self.transport == "inproc":
             raise InvalidRequestError("the inproc transport only links workers in one process; use gloo or grpc "
                                       "between Ray actors")
+        if self.data_plane_auth not in DATA_PLANE_AUTH:
+            raise InvalidRequestError(f"data_plane_auth must be one of {', '.join(DATA_PLANE_AUTH)}, got "
+                                      f"{self.data_plane_auth!r}")
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {list(DTYPES)}")
         if self.transport == "nccl" and self.gpus_per_worker <= 0:

@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import KVManager, Lease, PeerUnavailable, Sink, TransferAborted
+from kv_transfer.auth import ClusterSecret, DataPlaneAuth
+from kv_transfer.base import KVManager, Lease, PeerUnavailable, Sink, TransferAborted, Unauthenticated
 from kv_transfer.codec import Codec, get_codec
 from kv_transfer.gloo import rendezvous
 from kv_transfer.gloo.pair import GroupsFactory, Pair
@@ -65,14 +66,16 @@ class Manager(KVManager):
     cross_host = True
 
     def __init__(self, *, worker_id: str | None = None, host: str = "127.0.0.1", codec: str = "identity",
-                 op_timeout_s: float = 30.0, keepalive_s: float = 2.0, connect_timeout_s: float = 10.0) -> None:
+                 op_timeout_s: float = 30.0, keepalive_s: float = 2.0, connect_timeout_s: float = 10.0,
+                 secret: ClusterSecret | None = None) -> None:
         if not 0 < keepalive_s < op_timeout_s / 2:
             raise ValueError(f"keepalive_s ({keepalive_s}) must be in (0, op_timeout_s / 2 = {op_timeout_s / 2})")
         self._payload_device = self._check_host()
         self._worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._host, self._codec = host, get_codec(codec)
         self._op_timeout_s, self._keepalive_s, self._connect_timeout_s = op_timeout_s, keepalive_s, connect_timeout_s
-        self._dispatcher = Dispatcher()
+        self._auth = DataPlaneAuth(secret)  # None: data_plane_auth "off" (joins are not challenged)
+        self._dispatcher = Dispatcher(self._auth)
         self._lock = threading.Lock()
         self._out: dict[str, Pair] = {}  # pairs this manager started (prefill role), by decode endpoint
         self._in: set[Pair] = set()  # pairs peers started (decode role)
@@ -107,6 +110,9 @@ class Manager(KVManager):
 
     def num_active(self) -> int:
         return len(self._dispatcher.live())
+
+    def refused(self) -> dict[str, int]:
+        return self._auth.refusals.snapshot()
 
     def num_pairs(self) -> int:
         """Pairs held now (both roles); for tests and metrics."""
@@ -151,8 +157,12 @@ class Manager(KVManager):
 
             def connect() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
                 store = rendezvous.connect_store(host, port, self._connect_timeout_s)
-                rendezvous.announce(store, pair_key=pair_key, prefill_id=self._worker_id)
-                return rendezvous.make_groups(store, pair_key, rank=1, host=self._host, nccl=self.nccl,
+                slot = rendezvous.announce(store, pair_key=pair_key, prefill_id=self._worker_id)
+                prefix = rendezvous.pair_prefix(pair_key)
+                if self._auth.secret is not None:
+                    prefix = rendezvous.prove(store, slot, pair_key=pair_key, secret=self._auth.secret,
+                                              timeout_s=self._connect_timeout_s)
+                return rendezvous.make_groups(store, prefix, rank=1, host=self._host, nccl=self.nccl,
                                               timeout_s=self._op_timeout_s)
 
             pair = self._out[endpoint] = self._new_pair(rank=1, connect=connect, name=f"{pair_key}->{decode_id}")
@@ -160,11 +170,19 @@ class Manager(KVManager):
         return pair
 
     def _accept(self, record: dict[str, Any]) -> None:
-        pair_key = str(record["pair_key"])
+        pair_key, slot = str(record["pair_key"]), int(record["slot"])
 
         def connect() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
             store = rendezvous.connect_store(self._host, self._store.port, self._connect_timeout_s)
-            return rendezvous.make_groups(store, pair_key, rank=0, host=self._host, nccl=self.nccl,
+            prefix = rendezvous.pair_prefix(pair_key)
+            if self._auth.secret is not None:
+                try:  # nothing of the pair's is read from the store before the joiner proved the secret
+                    prefix = rendezvous.challenge(store, slot, pair_key=pair_key, secret=self._auth.secret,
+                                                  timeout_s=self._connect_timeout_s)
+                except Unauthenticated as e:
+                    self._auth.refusals.add(e, f"a gloo join (slot {slot})")
+                    raise
+            return rendezvous.make_groups(store, prefix, rank=0, host=self._host, nccl=self.nccl,
                                           timeout_s=self._op_timeout_s)
 
         with self._lock:

@@ -24,10 +24,12 @@ from kv_transfer.base import (
     TransferAborted,
     TransferError,
     TransferTimeout,
+    Unauthenticated,
     error_from_name,
 )
+from kv_transfer.auth import ClusterSecret, LeaseAuth
 from kv_transfer.codec import Codec
-from kv_transfer.grpc.server import unpack_summary
+from kv_transfer.grpc.server import call_metadata, unpack_summary
 from kv_transfer.transfer import TERMINAL, BaseSender, FinishJob, LayerJob
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,8 @@ def status_error(e: BaseException) -> TransferError:
     detail = f"Push call ended with {code}: {e.details() if isinstance(e, grpc.Call) else e!r}"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TransferTimeout(detail)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(f"the decode side refused the Push call ({detail})")
     if code == grpc.StatusCode.CANCELLED:
         return TransferAborted(f"the decode side cancelled the transfer ({detail})")
     return PeerUnavailable(detail)
@@ -49,8 +53,9 @@ class Sender(BaseSender):
     """Prefill side of one transfer (see :class:`kv_transfer.base.KVSender`)."""
 
     def __init__(self, lease: Lease, *, push: grpc.StreamUnaryMultiCallable, codec: Codec, chunk_bytes: int,
-                 on_terminal: Callable[[Sender], None]) -> None:
-        super().__init__(lease, codec=codec, payload_device=torch.device("cpu"))
+                 on_terminal: Callable[[Sender], None], secret: ClusterSecret | None = None) -> None:
+        super().__init__(lease, codec=codec, payload_device=torch.device("cpu"),
+                         auth=None if secret is None else LeaseAuth(secret, lease.request_id, lease.lease_id))
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._chunk_bytes, self._forget = chunk_bytes, on_terminal
         self.call: grpc.Future | None = None
@@ -58,7 +63,8 @@ class Sender(BaseSender):
         if timeout <= 0:
             self.poll()  # fails with TransferTimeout
             return
-        self.call = push.future(self._messages(), timeout=timeout)
+        metadata = None if secret is None else call_metadata(secret, lease)
+        self.call = push.future(self._messages(), timeout=timeout, metadata=metadata)
         self._advance(KVPoll.WAITING)
         self.call.add_done_callback(self._on_call_done)
 
@@ -71,7 +77,7 @@ class Sender(BaseSender):
             self._jobs.put(_ABORT)
 
     def _messages(self) -> Iterator[bytes]:
-        yield frames.pack(frames.open_frame(self.request_id))
+        yield frames.pack(self.seal(frames.open_frame(self.request_id)))
         while True:
             try:
                 job = self._jobs.get(timeout=0.1)
@@ -80,7 +86,7 @@ class Sender(BaseSender):
                     return
                 continue
             if job is _ABORT:
-                yield frames.pack(frames.abort_frame(self.request_id, frames.TO_RECEIVER, self._error))
+                yield frames.pack(self.seal(frames.abort_frame(self.request_id, frames.TO_RECEIVER, self._error)))
                 return
             try:
                 frame = self.encode_job(job)
@@ -108,7 +114,7 @@ class Sender(BaseSender):
             self._fail(status_error(error), notify_peer=False)
             return
         try:
-            summary = unpack_summary(call.result())
+            summary = unpack_summary(call.result(), self.auth)
         except ProtocolError as e:
             self._fail(e, notify_peer=False)
             return

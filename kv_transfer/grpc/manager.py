@@ -20,6 +20,7 @@ from concurrent import futures
 
 import grpc
 
+from kv_transfer.auth import ClusterSecret, DataPlaneAuth
 from kv_transfer.base import KVManager, Lease, PeerUnavailable, Sink, TransferAborted
 from kv_transfer.codec import Codec, get_codec
 from kv_transfer.grpc.client import Sender
@@ -39,11 +40,13 @@ class Manager(KVManager):
     cross_host = True
 
     def __init__(self, *, worker_id: str | None = None, host: str = "127.0.0.1", port: int = 0,
-                 codec: str = "identity", chunk_bytes: int = CHUNK_BYTES, max_concurrent: int = 32) -> None:
+                 codec: str = "identity", chunk_bytes: int = CHUNK_BYTES, max_concurrent: int = 32,
+                 secret: ClusterSecret | None = None) -> None:
         if not 0 < chunk_bytes <= CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes}")
         self._worker_id = worker_id or f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._codec: Codec = get_codec(codec)
+        self._auth = DataPlaneAuth(secret)  # None: data_plane_auth "off"
         self._chunk_bytes = chunk_bytes
         self._limit = chunk_bytes + (1 << 20)  # room for a large header message
         self._lock = threading.Lock()
@@ -55,7 +58,7 @@ class Manager(KVManager):
         self._server = grpc.server(
             self._pool,
             options=[("grpc.max_receive_message_length", self._limit), ("grpc.so_reuseport", 0)])
-        handler = grpc.stream_unary_rpc_method_handler(PushHandler(self._lookup))
+        handler = grpc.stream_unary_rpc_method_handler(PushHandler(self._lookup, self._auth))
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Push": handler}),))
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if not bound:
@@ -69,7 +72,8 @@ class Manager(KVManager):
 
     def expect(self, lease: Lease, sink: Sink, *, on_done: Callable[[dict], None] | None = None) -> Receiver:
         self._check(lease)
-        receiver = Receiver(lease, sink, on_done=on_done, on_terminal=self._forget)
+        receiver = Receiver(lease, sink, on_done=on_done, on_terminal=self._forget,
+                            lease_auth=self._auth.for_lease(lease))
         self._register("receiver", receiver)
         return receiver
 
@@ -80,9 +84,12 @@ class Manager(KVManager):
             if ("sender", lease.request_id) in self._live:
                 raise ValueError(f"a live transfer for request {lease.request_id!r} already exists here")
         sender = Sender(lease, push=push, codec=self._codec if codec is None else codec, chunk_bytes=self._chunk_bytes,
-                        on_terminal=self._forget)
+                        on_terminal=self._forget, secret=self._auth.secret)
         self._register("sender", sender)
         return sender
+
+    def refused(self) -> dict[str, int]:
+        return self._auth.refusals.snapshot()
 
     def num_active(self) -> int:
         with self._lock:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from kv_transfer.auth import ClusterSecret, DataPlaneAuth
 from kv_transfer.base import KVManager, Lease, PeerUnavailable, Sink, TransferAborted
 from kv_transfer.codec import Codec, get_codec
 from kv_transfer.link import Link
@@ -67,10 +68,11 @@ class Manager(KVManager):
     cross_process = False
     cross_host = False
 
-    def __init__(self, *, worker_id: str | None = None, codec: str = "identity") -> None:
+    def __init__(self, *, worker_id: str | None = None, codec: str = "identity",
+                 secret: ClusterSecret | None = None) -> None:
         self._endpoint = f"inproc://{worker_id or uuid.uuid4().hex[:12]}"
         self._codec: Codec = get_codec(codec)
-        self._dispatcher = Dispatcher()
+        self._dispatcher = Dispatcher(DataPlaneAuth(secret))
         self._watch = DeadlineWatch(f"kv-deadline-{self._endpoint}")
         self._links: dict[str, _QueueLink] = {}
         self._lock = threading.Lock()
@@ -103,6 +105,9 @@ class Manager(KVManager):
 
     def num_active(self) -> int:
         return len(self._dispatcher.live())
+
+    def refused(self) -> dict[str, int]:
+        return self._dispatcher.auth.refusals.snapshot()
 
     def close(self) -> None:
         with self._lock:

@@ -15,15 +15,19 @@ from collections.abc import Callable
 
 import torch
 
-from kv_transfer import KVLayout, KVManager, get_manager_class
+from kv_transfer import ClusterSecret, KVLayout, KVManager, get_manager_class
 
 TRANSPORTS = ["inproc", "gloo", "grpc"]
 PROCESS_TRANSPORTS = ["gloo", "grpc"]
 MANAGER_KWARGS: dict[str, dict] = {"gloo": {"op_timeout_s": 10.0, "keepalive_s": 0.5, "connect_timeout_s": 2.0}}
 
 
+# every test manager authenticates the data plane with this secret (spawned peers import the same value)
+TEST_SECRET = ClusterSecret(b"duet-kv-tests-shared-secret-0123")
+
+
 def make_manager(transport: str, **kwargs) -> KVManager:
-    return get_manager_class(transport)(**{**MANAGER_KWARGS.get(transport, {}), **kwargs})
+    return get_manager_class(transport)(**{**MANAGER_KWARGS.get(transport, {}), "secret": TEST_SECRET, **kwargs})
 
 
 def make_layout(dtype: str = "float32", num_layers: int = 4) -> KVLayout:
