@@ -106,12 +106,16 @@ class Sender(BaseSender):
                 return
 
     def _on_call_done(self, call: grpc.Future) -> None:
-        if call.cancelled():
-            self._fail(TransferAborted(f"request {self.request_id!r}: Push call cancelled"), notify_peer=False)
-            return
-        error = call.exception()
-        if error is not None:
-            self._fail(status_error(error), notify_peer=False)
+        cancelled = call.cancelled()
+        error = None if cancelled else call.exception()
+        if cancelled or error is not None:
+            if time.time() >= self.lease.deadline_s:  # the decode side ended the call because the lease ran out
+                self._fail(TransferTimeout(f"request {self.request_id!r}: lease deadline passed (the Push call "
+                                           "ended)"), notify_peer=False)
+            elif cancelled:
+                self._fail(TransferAborted(f"request {self.request_id!r}: Push call cancelled"), notify_peer=False)
+            else:
+                self._fail(status_error(error), notify_peer=False)
             return
         try:
             summary = unpack_summary(call.result(), self.auth)
