@@ -14,18 +14,36 @@ of every other token stay where they were.
 
 All methods run under ``torch.inference_mode`` (tensors grown during a step are inference tensors).
 Call contract (model runner): ``assign`` before the step for each decoding sequence (fills new slots from the pool),
-``release`` when a sequence finishes, is aborted or preempted. Memory: ``slots x capacity x kv_bytes_per_token``,
-grown by doubling.
+``release`` when a sequence finishes, is aborted or preempted. Memory: ``slots x capacity x kv_bytes_per_token``
+(:attr:`DecodeKVMirror.nbytes`, plus the bias rows once used), grown by doubling. The engine takes the starting
+allocation (:func:`reserved_bytes`) out of ``kv_cache_memory_gb`` before it sizes the pool; growth past it is not
+budgeted but reported (``kv_mirror_bytes`` in worker stats, ``ClusterStatus`` and ``/metrics``).
 """
 
 from __future__ import annotations
 
 import torch
 
+INITIAL_CAPACITY = 256  # tokens per slot at start when nothing is reserved
+INITIAL_SLOTS = 8
+
+
+def reserved_bytes(max_slots: int, kv_bytes_per_token: int, reserve_tokens: int | None = None) -> int:
+    """Bytes of the mirror's starting allocation: ``max_slots`` slots of ``reserve_tokens`` when reserved (the
+    engine's ``decode_mirror_tokens``), else :data:`INITIAL_SLOTS` of :data:`INITIAL_CAPACITY`.
+
+    >>> reserved_bytes(64, 1000), reserved_bytes(64, 1000, reserve_tokens=512)
+    (2048000, 32768000)
+    """
+    if reserve_tokens is None:
+        return min(INITIAL_SLOTS, max_slots) * INITIAL_CAPACITY * kv_bytes_per_token
+    return max_slots * reserve_tokens * kv_bytes_per_token
+
 
 class DecodeKVMirror:
     def __init__(self, num_layers: int, max_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, initial_capacity: int = 256, initial_slots: int = 8) -> None:
+                 device: torch.device, initial_capacity: int = INITIAL_CAPACITY,
+                 initial_slots: int = INITIAL_SLOTS) -> None:
         self.num_layers, self.max_slots = num_layers, max_slots
         self.shape_tail = (kv_heads, head_dim)
         self.dtype, self.device = dtype, device
@@ -130,6 +148,11 @@ class DecodeKVMirror:
             return None
         b, n = mask.shape[0], mask.shape[-1]
         return [mask + bias[slots, :n].view(b, 1, 1, n) for bias in self.bias]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated now: every layer's key and value rows, and the bias rows once a slot had drops."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + (self.bias or []))
 
     @property
     def num_active(self) -> int:

@@ -9,6 +9,7 @@ import itertools
 from collections.abc import Callable
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_tuning import tune_malloc
+from engine.decode_mirror import reserved_bytes
 from engine.errors import CheckpointError, InvalidRequestError, OutOfBlocksError
 from engine.inputs import InputProcessor, ProcessedPrompt, image_processor_for
 from engine.model import LlavaModel
@@ -29,6 +31,20 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVMemory:
+    """KV bytes held by one engine. ``budget_bytes``: ``kv_cache_memory_gb`` in bytes (None when ``num_kv_blocks``
+    fixed the pool); the mirror's growth past its starting allocation can take ``total_bytes`` over it."""
+
+    pool_bytes: int
+    mirror_bytes: int
+    budget_bytes: int | None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.pool_bytes + self.mirror_bytes
 
 
 class LLMEngine:
@@ -68,19 +84,38 @@ class LLMEngine:
         self.cannot_recompute: list[str] = []
 
     def _size_pool(self) -> tuple[int, int]:
+        """``(max_model_len, num_kv_blocks)``. With ``kv_cache_memory_gb`` (no ``num_kv_blocks``) the budget covers
+        everything attention reads: the decode mirror's starting allocation (:func:`engine.decode_mirror.reserved_bytes`,
+        all of it when ``decode_mirror_tokens`` reserves it) comes off first, the pool gets the rest, capped at
+        ``max_num_seqs`` full-length sequences and floored at one (a warning when that floor overruns the budget)."""
         c, t = self.config, self.model_config.text
         limit = t.max_position_embeddings if t.sliding_window is None else min(t.max_position_embeddings, t.sliding_window)
         if c.max_model_len is not None and c.max_model_len > limit:
             raise CheckpointError(f"max_model_len {c.max_model_len} exceeds the model's limit of {limit} positions")
         max_len = c.max_model_len or min(limit, 4096)
-        per_block = 2 * t.num_layers * t.num_kv_heads * t.head_dim * c.block_size * torch.finfo(self.dtype).bits // 8
+        per_token = 2 * t.num_layers * t.num_kv_heads * t.head_dim * torch.finfo(self.dtype).bits // 8
+        per_block = per_token * c.block_size
         blocks_per_seq = -(-max_len // c.block_size)
+        self.kv_budget_bytes: int | None = None
         if c.num_kv_blocks is not None:
             num_blocks = c.num_kv_blocks
         else:
-            by_memory = int(c.kv_cache_memory_gb * 2**30 // per_block)
+            self.kv_budget_bytes = budget = int(c.kv_cache_memory_gb * 2**30)
+            mirror_tokens = min(c.decode_mirror_tokens, max_len) if c.decode_mirror_tokens else None
+            mirror = reserved_bytes(c.max_num_seqs, per_token, mirror_tokens)
+            by_memory = max(0, budget - mirror) // per_block
             num_blocks = max(blocks_per_seq, min(by_memory, blocks_per_seq * c.max_num_seqs))
+            if num_blocks * per_block + mirror > budget:
+                logger.warning("kv_cache_memory_gb=%g holds %d KV blocks after the decode mirror's %.1f MiB; "
+                               "allocating %d (one %d-token sequence): %.1f MiB over budget", c.kv_cache_memory_gb,
+                               by_memory, mirror / 2**20, num_blocks, max_len,
+                               (num_blocks * per_block + mirror - budget) / 2**20)
         return min(max_len, num_blocks * c.block_size), num_blocks
+
+    def kv_memory(self) -> KVMemory:
+        """Bytes of KV that attention reads now: the paged pool and the decode mirror (which grows on demand)."""
+        return KVMemory(pool_bytes=self.runner.pool_nbytes, mirror_bytes=self.runner.mirror.nbytes,
+                        budget_bytes=self.kv_budget_bytes)
 
     # ----------------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,

@@ -54,6 +54,10 @@ class ModelRunner:
         k, _ = self.pool[0]
         return 2 * len(self.pool) * k.shape[2] * k.shape[3] * k.element_size()
 
+    @property
+    def pool_nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.pool)
+
     def kv_layers(self) -> list[LayerKV]:
         return [LayerKV(k, v, mk, mv, i)
                 for i, ((k, v), mk, mv) in enumerate(zip(self.pool, self.mirror.k, self.mirror.v, strict=True))]

@@ -13,6 +13,9 @@ both sides greedy and forced to the exact output length (Duet ``ignore_eos``; tr
 each; one ``LLM`` (``max_num_seqs=64``) and one transformers model reused by every scenario; ``--repeat N`` keeps
 each side's best. The machine's bandwidth/matmul rates are measured in the same run (:mod:`cluster.bench.machine`).
 
+``--peer-cmd CMD`` runs Duet against any peer engine instead of transformers, on these scenarios' prompts, in
+``--rounds`` alternating rounds (:mod:`cluster.bench.peer`: the command's contract and the workload file).
+
 ``--model qwen3-vl-moe`` runs :mod:`cluster.bench.qwen_bench` instead: one-image TTFT and prefill tokens/s of a
 Qwen3-VL-MoE checkpoint at ``--image-sizes``, medians of ``--repeat`` alternating rounds.
 """
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 
 from cluster.bench.machine import decode_bound, measure_machine
+from cluster.bench.peer import PEER_TIMEOUT_S
 from cluster.bench.qwen_bench import image_sizes
 from cluster.report import log, machine_table, scenario_table, write_json
 
@@ -178,6 +182,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default="bench_out/engine.json", help="where to write the results")
     p.add_argument("--quick", action="store_true", help="tiny smoke configuration (tests), not for figures")
+    p.add_argument("--peer-cmd", default=None, metavar="CMD",
+                   help="run Duet against this peer engine instead of transformers: called as 'CMD run MODEL_DIR "
+                        "WORKLOAD.json' once per round, it prints one JSON object of tok/s per case "
+                        "(cluster.bench.peer)")
+    p.add_argument("--peer-name", default="peer", help="the peer's column name in the table")
+    p.add_argument("--rounds", type=_positive, default=3, help="--peer-cmd: alternating rounds (medians quoted)")
+    p.add_argument("--peer-timeout", type=float, default=PEER_TIMEOUT_S,
+                   help="--peer-cmd: seconds one peer round may take before it is killed")
 
 
 def _scenarios(text: str) -> list[str]:
@@ -255,8 +267,12 @@ def run(args: argparse.Namespace) -> int:
         from cluster.bench.qwen_bench import run as run_qwen
 
         return run_qwen(args)
-    args.repeat = args.repeat or 1
     model_dir = Path(args.model_dir) if args.model_dir else bench_model_dir()
+    if args.peer_cmd:
+        from cluster.bench.peer import run_side_by_side
+
+        return run_side_by_side(args, model_dir)
+    args.repeat = args.repeat or 1
     load_start = os.getloadavg()  # the machine is shared: record how busy it was
     specs = {k: v for k, v in scenario_specs(args.quick).items() if k in args.scenarios}
     log(f"measuring the machine ({torch.get_num_threads()} torch threads)")

@@ -23,7 +23,8 @@ class ClusterOps:
     def status(self, timeout_s: float = 5.0) -> list[dict]:
         """One dict per worker: ``worker_id, role, alive`` and the worker's own counters (prefill: ``waiting,
         running, free_blocks``, and ``prompt_tokens`` / ``cached_tokens`` of the prompts it finished; decode:
-        ``free_blocks, receiving, running, total_blocks``). Prefill rows also carry the front-end's view:
+        ``free_blocks, receiving, running, total_blocks``; both: ``kv_pool_bytes`` and ``kv_mirror_bytes``, the KV
+        memory attention reads, see :meth:`kv_memory_summary`). Prefill rows also carry the front-end's view:
         ``outstanding_tokens`` (its load signal, :mod:`cluster.control.router`), ``placed_prompt_tokens`` and
         ``predicted_cached_tokens``. A worker that does not answer within ``timeout_s`` is reported with
         ``alive=False``."""
@@ -62,6 +63,15 @@ class ClusterOps:
         return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else None,
                 "placed_prompt_tokens": placed, "predicted_cached_tokens": predicted,
                 "predicted_hit_rate": predicted / placed if placed else None}
+
+    @staticmethod
+    def kv_memory_summary(rows: list[dict]) -> dict:
+        """KV bytes over the alive workers of :meth:`status` ``rows``: ``pool_bytes`` (paged pools),
+        ``mirror_bytes`` (decode mirrors, :mod:`engine.decode_mirror`) and ``total_bytes``, everything attention
+        reads."""
+        alive = [r for r in rows if r["alive"]]
+        pool, mirror = sum(r.get("kv_pool_bytes", 0) for r in alive), sum(r.get("kv_mirror_bytes", 0) for r in alive)
+        return {"pool_bytes": pool, "mirror_bytes": mirror, "total_bytes": pool + mirror}
 
     def expert_summary(self) -> dict | None:
         """The expert-parallel groups' ``{"placement_changes", "balancedness", "prewarm_hits", "prewarm_misses"}``

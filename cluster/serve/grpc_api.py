@@ -112,13 +112,15 @@ class DuetServicer(pb_grpc.DuetServicer):
             running=w.get("running", 0), receiving=w.get("receiving", 0),
             outstanding_tokens=w.get("outstanding_tokens", 0), free_blocks=w.get("free_blocks", 0),
             total_blocks=w.get("total_blocks", 0), prompt_tokens=w.get("prompt_tokens", 0),
-            cached_tokens=w.get("cached_tokens", 0)) for w in st["workers"]]
+            cached_tokens=w.get("cached_tokens", 0), kv_pool_bytes=w.get("kv_pool_bytes", 0),
+            kv_mirror_bytes=w.get("kv_mirror_bytes", 0)) for w in st["workers"]]
         return pb.ClusterStatusResponse(
             api_version=API_VERSION, model=st["model"], transport=st["transport"], workers=workers,
             in_flight=st["in_flight"], max_concurrent=st["max_concurrent"], kv_usage=st["kv_usage"],
             experts=pb.ExpertSummary(**st["experts"]), requests_served=st["requests_served"],
             draining=st["draining"], prefix_hit_rate=st["prefix_cache"]["hit_rate"] or 0.0,
-            predicted_prefix_hit_rate=st["prefix_cache"]["predicted_hit_rate"] or 0.0)
+            predicted_prefix_hit_rate=st["prefix_cache"]["predicted_hit_rate"] or 0.0,
+            kv_memory_bytes=st["kv_memory"]["total_bytes"])
 
 
 async def _abort_with(context: grpc.aio.ServicerContext, e: BaseException) -> None:

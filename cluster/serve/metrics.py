@@ -11,7 +11,8 @@ Where each family comes from:
   derived from those sums when scraped;
 * the cluster (:meth:`Metrics.attach_cluster`): pool sizes, respawns and workers given up by the pool healer
   when scraped (front-end counters, no remote call);
-  per-worker queue depths and KV use, expert balancedness and pre-warm hits from a :class:`ClusterSampler` snapshot
+  per-worker queue depths, KV use and KV bytes (pool and decode mirror apart; their sum over workers), expert
+  balancedness and pre-warm hits from a :class:`ClusterSampler` snapshot
   that a background thread refreshes every ``refresh_s`` (``status()`` is a blocking Ray call, never made on a
   scrape);
 * the autoscaler (:meth:`Metrics.observe_decision`): decisions by pool and direction;
@@ -227,6 +228,10 @@ _WORKER_GAUGES = (  # stats field, metric, help, roles that report it
      "Prompt tokens admitted and not yet past their first token (the router's load signal)", ("prefill",)),
     ("prompt_tokens", "duet_prefill_prompt_tokens", "Prompt tokens of the prompts the worker finished", ("prefill",)),
     ("cached_tokens", "duet_prefill_cached_tokens", "Of those, tokens found in its prefix cache", ("prefill",)),
+    ("kv_pool_bytes", "duet_kv_pool_bytes", "Bytes of the worker's paged KV pool", ("prefill", "decode")),
+    ("kv_mirror_bytes", "duet_kv_mirror_bytes",
+     "Bytes of the worker's decode KV mirror (a second, contiguous copy of decoding sequences' KV)",
+     ("prefill", "decode")),
 )
 
 
@@ -242,6 +247,10 @@ class _ClusterCollector:
         yield from self._healing(self.cluster.healing())
         yield from self._workers(self.sampler.workers)
         yield from self._prefix(self.sampler.workers)
+        if self.sampler.workers:
+            kv = ClusterOps.kv_memory_summary(self.sampler.workers)
+            yield GaugeMetricFamily("duet_kv_memory_bytes", "KV bytes attention reads, all alive workers: paged "
+                                    "pools plus decode mirrors", value=kv["total_bytes"])
         yield from self._experts(self.sampler.experts)
 
     @staticmethod

@@ -58,9 +58,9 @@ class _FakeCluster:
 
     def status(self) -> list[dict]:
         return [{"worker_id": "prefill-0", "role": "prefill", "alive": True, "outstanding_tokens": 300,
-                 "waiting": 2, "running": 1, "free_blocks": 10},
+                 "waiting": 2, "running": 1, "free_blocks": 10, "kv_pool_bytes": 1000, "kv_mirror_bytes": 200},
                 {"worker_id": "decode-0", "role": "decode", "alive": True, "free_blocks": 75, "receiving": 1,
-                 "running": 3, "total_blocks": 100},
+                 "running": 3, "total_blocks": 100, "kv_pool_bytes": 4000, "kv_mirror_bytes": 3000},
                 {"worker_id": "decode-1", "role": "decode", "alive": False, "total_blocks": 100}]
 
     def expert_summary(self) -> dict | None:
@@ -105,6 +105,9 @@ def test_cluster_series_from_snapshot():
     assert _value(text, "duet_kv_utilization", worker="decode-0") == 0.25
     assert _value(text, "duet_worker_alive", worker="decode-1") == 0
     assert _value(text, "duet_kv_utilization", worker="decode-1") is None  # dead: no stale numbers
+    assert _value(text, "duet_kv_pool_bytes", worker="decode-0") == 4000
+    assert _value(text, "duet_kv_mirror_bytes", worker="decode-0") == 3000
+    assert _value(text, "duet_kv_memory_bytes") == 8200  # everything attention reads, alive workers
     assert "duet_expert_" not in text  # no expert parallelism nor tiers: no series
     assert _value(text, "duet_worker_respawns_total", role="prefill") == 2
     assert _value(text, "duet_workers_given_up", role="decode") == 1

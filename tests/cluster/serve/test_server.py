@@ -185,6 +185,8 @@ def test_raw_grpc_generate_status_and_health(server):
         status = stub.ClusterStatus(pb.ClusterStatusRequest(api_version=1), metadata=md, timeout=30)
         assert {w.worker_id for w in status.workers} == {"prefill-0", "decode-0"}
         assert all(w.alive for w in status.workers)
+        assert all(w.kv_pool_bytes > 0 and w.kv_mirror_bytes > 0 for w in status.workers)
+        assert status.kv_memory_bytes == sum(w.kv_pool_bytes + w.kv_mirror_bytes for w in status.workers)
         assert status.experts.num_layers == 4 and status.experts.num_experts == 8 and status.experts.tokens_routed > 0
         assert all(0 < b <= 1 for b in status.experts.balancedness)
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="duet.v1.Duet"))

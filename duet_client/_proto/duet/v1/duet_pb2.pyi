@@ -251,7 +251,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self, api_version: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "alive", "waiting", "running", "receiving", "outstanding_tokens", "free_blocks", "total_blocks", "prompt_tokens", "cached_tokens")
+    __slots__ = ("worker_id", "role", "alive", "waiting", "running", "receiving", "outstanding_tokens", "free_blocks", "total_blocks", "prompt_tokens", "cached_tokens", "kv_pool_bytes", "kv_mirror_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,8 @@ class WorkerStatus(_message.Message):
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_MIRROR_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     alive: bool
@@ -274,7 +276,9 @@ class WorkerStatus(_message.Message):
     total_blocks: int
     prompt_tokens: int
     cached_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., alive: _Optional[bool] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    kv_pool_bytes: int
+    kv_mirror_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., alive: _Optional[bool] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., kv_mirror_bytes: _Optional[int] = ...) -> None: ...
 
 class ExpertSummary(_message.Message):
     __slots__ = ("num_layers", "num_experts", "tokens_routed", "balancedness", "hottest_expert", "placement")
@@ -293,7 +297,7 @@ class ExpertSummary(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[int] = ..., balancedness: _Optional[_Iterable[float]] = ..., hottest_expert: _Optional[_Iterable[int]] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("api_version", "model", "transport", "workers", "in_flight", "max_concurrent", "kv_usage", "experts", "requests_served", "draining", "prefix_hit_rate", "predicted_prefix_hit_rate")
+    __slots__ = ("api_version", "model", "transport", "workers", "in_flight", "max_concurrent", "kv_usage", "experts", "requests_served", "draining", "prefix_hit_rate", "predicted_prefix_hit_rate", "kv_memory_bytes")
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +310,7 @@ class ClusterStatusResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    KV_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     api_version: int
     model: str
     transport: str
@@ -318,4 +323,5 @@ class ClusterStatusResponse(_message.Message):
     draining: bool
     prefix_hit_rate: float
     predicted_prefix_hit_rate: float
-    def __init__(self, api_version: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., kv_usage: _Optional[float] = ..., experts: _Optional[_Union[ExpertSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_rate: _Optional[float] = ..., predicted_prefix_hit_rate: _Optional[float] = ...) -> None: ...
+    kv_memory_bytes: int
+    def __init__(self, api_version: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., kv_usage: _Optional[float] = ..., experts: _Optional[_Union[ExpertSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_rate: _Optional[float] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., kv_memory_bytes: _Optional[int] = ...) -> None: ...
