@@ -1,6 +1,8 @@
 """Ray actor around :class:`DecodeWorker`: a loop thread commits finished transfers and steps the decode batch;
 the front-end long-polls :meth:`DecodeActor.poll`, which returns every token produced since the last poll, for all
-requests, in one message (never one call per token per request).
+requests, in one message (never one call per token per request). A token event is ``{"request_id", "index"
+(the choice), "token_ids" (new), "finished" (every choice of the request), "choice_finished", "finish_reason" (the
+choice's), "logprobs" (when asked: one wire entry per new token, ``engine.outputs.TokenLogprobs.to_wire``)}``.
 
 Methods take and return msgpack ``bytes`` (:mod:`node_common.messages`).
 
@@ -48,7 +50,7 @@ class DecodeActor(WorkerActorBase):
         self.cond = threading.Condition()
         self.wake = threading.Event()  # set by allocate: an idle loop sleeps on it instead of polling
         self.pending: list[dict] = []  # token deltas and failures not yet polled
-        self.sent: dict[str, int] = {}  # tokens already reported per request
+        self.sent: dict[str, dict[int, int]] = {}  # request -> choice -> tokens reported (-1: its end reported)
         self.thread: threading.Thread | None = None
         self._store = None  # rank 0 of an expert-parallel group hosts the rendezvous store
         if ep is None:
@@ -99,7 +101,7 @@ class DecodeActor(WorkerActorBase):
             with self.lock:
                 lease = self.worker.allocate(m["request_id"], prompt_wire.prompt_from_wire(m["prompt"]),
                                              messages.params_from_dict(m["params"]))
-                self.sent[m["request_id"]] = 0
+                self.sent[m["request_id"]] = {}
         except messages.REPLY_ERRORS as e:
             return messages.error_reply(e)
         self.wake.set()
@@ -204,17 +206,21 @@ class DecodeActor(WorkerActorBase):
             self.sent.pop(rid, None)
         for out in report.outputs:
             rid = out.request_id
-            ids = out.outputs[0].token_ids
-            start = self.sent.get(rid, 0)
-            ev = {"request_id": rid, "token_ids": ids[start:], "finished": out.finished,
-                  "finish_reason": out.outputs[0].finish_reason}
-            if rid in report.routing_hints:
-                ev["expert_hist"] = report.routing_hints[rid]
-            if rid in report.transfers:
-                ev["kv_transfer"] = report.transfers[rid]
-            events.append(ev)
+            sent = self.sent.setdefault(rid, {})
+            for c in out.outputs:
+                start = sent.get(c.index, 0)
+                if start < 0:
+                    continue  # this choice's end was reported already
+                ev = {"request_id": rid, "index": c.index, "token_ids": c.token_ids[start:], "finished": out.finished,
+                      "choice_finished": c.finished, "finish_reason": c.finish_reason}
+                if c.logprobs is not None:
+                    ev["logprobs"] = [lp.to_wire() for lp in c.logprobs[start:]]
+                if c.index == 0 and rid in report.routing_hints:
+                    ev["expert_hist"] = report.routing_hints[rid]
+                if c.index == 0 and rid in report.transfers:
+                    ev["kv_transfer"] = report.transfers[rid]
+                events.append(ev)
+                sent[c.index] = -1 if c.finished else len(c.token_ids)
             if out.finished:
                 self.sent.pop(rid, None)
-            else:
-                self.sent[rid] = len(ids)
         return events

@@ -53,13 +53,22 @@ from kv_transfer import (
     transfer_deadline,
 )
 from kv_transfer.compression import CompressionPolicy, resolve_policy
-from kv_transfer.handoff import Handoff, check_mrope_delta
+from engine.outputs import TokenLogprobs
+from kv_transfer.handoff import Handoff, check_mrope_delta, generator_from_state
 
 logger = logging.getLogger(__name__)
 
 
 class PromptRecomputeUnavailable(DuetError):
     """A preempted image prompt cannot be recomputed on the decode side (it holds no pixels); retry elsewhere."""
+
+
+def _first_tokens(handoff: Handoff) -> dict:
+    """:meth:`LLMEngine.commit_prefilled`'s ``first_logprobs`` and ``choices`` from the hand-off's wire forms."""
+    lp = lambda w: None if w is None else TokenLogprobs.from_wire(w)  # noqa: E731
+    return {"first_logprobs": lp(handoff.first_logprobs),
+            "choices": [(c["token"], lp(c.get("logprobs")), generator_from_state(c.get("generator_state")))
+                        for c in handoff.choices]}
 
 
 @dataclass
@@ -170,14 +179,22 @@ class DecodeWorker:
                     self._release(rid)
                     report.failed[rid] = f"{type(e).__name__}: {e}"
                     continue
-                out = self.engine.commit_prefilled(rid, handoff.first_token, handoff.generator(), lossy=self.lossy)
+                try:
+                    outs = self.engine.commit_prefilled(rid, handoff.first_token, handoff.generator(),
+                                                        lossy=self.lossy, **_first_tokens(handoff))
+                except (InvalidRequestError, TypeError, ValueError) as e:  # choices that do not match the request
+                    logger.error("request %s: bad hand-off: %s", rid, e)
+                    self.clocks.pop(rid, None)
+                    self._release(rid)  # no-op when the engine released it already
+                    report.failed[rid] = f"ProtocolError: malformed hand-off: {e}"
+                    continue
                 if handoff.expert_hist is not None:
                     report.routing_hints[rid] = handoff.expert_hist
                     if self.tiers is not None:  # pre-warm this request's experts before its first decode step
                         self.tiers.on_requests([(rid, handoff.expert_hist)], [])
                 report.transfers[rid] = self._transfer_stats(rid, handoff)
                 report.transfers[rid]["wire_bytes"] = getattr(receiver, "wire_bytes", report.transfers[rid]["bytes"])
-                report.outputs.append(out)
+                report.outputs.extend(outs)
             elif state == KVPoll.FAILED:
                 del self.receivers[rid]
                 self.clocks.pop(rid, None)

@@ -9,6 +9,9 @@ Every block is in exactly one of three states:
 Blocks with ``ref_count == 0`` sit in one LRU queue: free blocks at the front, cached ones appended when released, so
 allocation takes never-cached blocks first and then evicts the least recently used cached block. A block's hash is
 registered only once its KV has been computed, so a prefix hit never reads a block still being written.
+An ``n > 1`` request's choices share its prompt's full blocks (:meth:`fork`: one reference per choice) and each
+copies the partial last block, the first one they write differently (copy-on-write, done when the choice is made,
+since every choice writes it in its very next step).
 Check-then-act: the scheduler asks :meth:`can_allocate` before :meth:`allocate_prefix` / :meth:`append_slots`.
 """
 
@@ -86,14 +89,44 @@ class BlockManager:
         if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            bid, _ = self.unreferenced.popitem(last=False)
-            block = self.blocks[bid]
-            if block.hash is not None:
-                if self.hash_to_block.get(block.hash) == bid:
-                    del self.hash_to_block[block.hash]
-                block.hash = None
-            block.ref_count = 1
-            seq.block_table.append(bid)
+            self._take_one(seq)
+        return True
+
+    def can_fork(self, parent: Sequence, num_tokens: int) -> bool:
+        """Whether :meth:`fork` of ``parent``'s first ``num_tokens`` has the block it may need."""
+        return num_tokens % self.block_size == 0 or self.num_free_blocks >= 1
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
+        """Give ``child`` (no blocks yet) ``parent``'s KV for its first ``num_tokens`` tokens (computed): the full
+        blocks are shared (one more reference each; nobody writes a full block again), the partial last block --
+        the first one the two write differently -- is copied into a new block of the child's. Returns ``(src,
+        dst)`` for the caller to copy the KV of (the pool's contents are the runner's), or None when
+        ``num_tokens`` fills whole blocks. Ask :meth:`can_fork` first."""
+        assert not child.block_table and num_tokens <= len(parent.block_table) * self.block_size
+        full = num_tokens // self.block_size
+        for bid in parent.block_table[:full]:
+            self.blocks[bid].ref_count += 1
+            child.block_table.append(bid)
+        child.num_computed_tokens = num_tokens
+        child.num_registered_blocks = min(parent.num_registered_blocks, full)
+        if num_tokens == full * self.block_size:
+            return None
+        ok = self._take_one(child)
+        assert ok, "can_fork promised the block"
+        return parent.block_table[full], child.block_table[-1]
+
+    def _take_one(self, seq: Sequence) -> bool:
+        """Append one block to ``seq``'s table (False, nothing changed, when none is free)."""
+        if not self.unreferenced:
+            return False
+        bid, _ = self.unreferenced.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None:
+            if self.hash_to_block.get(block.hash) == bid:
+                del self.hash_to_block[block.hash]
+            block.hash = None
+        block.ref_count = 1
+        seq.block_table.append(bid)
         return True
 
     def register_computed(self, seq: Sequence) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 import logging
 import time
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ from engine.errors import CheckpointError, InvalidRequestError, OutOfBlocksError
 from engine.inputs import InputProcessor, ProcessedPrompt, image_processor_for
 from engine.model import LlavaModel
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampler import sample, suppress_stop_tokens
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from engine.penalties import apply_penalties
+from engine.sampler import LogitsProcessor, apply_logits_processors, sample, suppress_stop_tokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -79,6 +81,13 @@ class LLMEngine:
         self._generator = torch.Generator().manual_seed(config.seed)
         # Prefill workers set this: called after each layer with sequences whose prompt KV for it is complete.
         self.kv_exporter: Callable[[int, list[Sequence]], None] | None = None
+        # The per-request logits-processor hook (structured outputs): called once per sequence (each choice) with its
+        # params; what it returns edits that sequence's logits before every sample (engine.sampler.LogitsProcessor).
+        self.logits_processor_factory: Callable[[SamplingParams], LogitsProcessor | None] | None = None
+        # n > 1: choice 0's first sample also draws the other choices' first tokens; True forks them into sequences
+        # sharing the prompt's blocks here; prefill workers set False and hand them to the decode side instead
+        # (Sequence.pending_choices)
+        self.fork_choices = True
         self.receiving: dict[str, Sequence] = {}
         # ids of requests dropped on preemption (no pixels here to recompute their prompt); the owner drains it
         self.cannot_recompute: list[str] = []
@@ -129,20 +138,32 @@ class LLMEngine:
         if seq.mm is not None and not seq.mm.can_encode:
             raise InvalidRequestError(f"request {request_id!r}: its images carry no pixels here, so its prompt cannot "
                                       "be computed (such a prompt can only be preallocated for a transfer)")
-        if seq.params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(seq.params.seed)
+        self._seed(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _seed(self, seq: Sequence) -> None:
+        """Seeded requests: one generator per choice (choice 0's samples every first token of an ``n > 1`` request)."""
+        p = seq.params
+        if p.seed is not None:
+            seq.choice_generators = [torch.Generator().manual_seed(p.choice_seed(i)) for i in range(p.n)]
+            seq.generator = seq.choice_generators[0]
 
     def _new_sequence(self, request_id: str, prompt: Any, params: SamplingParams,
                       arrival_time: float | None = None) -> Sequence:
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         p = self.inputs.check_processed(prompt) if isinstance(prompt, ProcessedPrompt) else self.inputs.process(prompt)
-        return Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(p.token_ids),
-                        num_prompt_tokens=len(p.token_ids), params=params, block_size=self.config.block_size,
-                        prompt=p.prompt, mm=p.mm, metrics=RequestMetrics(arrival_time or time.perf_counter()),
-                        logits=[] if params.return_logits else None)
+        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(p.token_ids),
+                       num_prompt_tokens=len(p.token_ids), params=params, block_size=self.config.block_size,
+                       prompt=p.prompt, mm=p.mm, metrics=RequestMetrics(arrival_time or time.perf_counter()),
+                       logits=[] if params.return_logits else None,
+                       logprobs=[] if params.logprobs is not None else None)
+        seq.logits_processor = self._make_processor(params)
+        return seq
+
+    def _make_processor(self, params: SamplingParams) -> LogitsProcessor | None:
+        return None if self.logits_processor_factory is None else self.logits_processor_factory(params)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. Returns False if it is unknown or already done."""
@@ -151,8 +172,10 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self._finish(seq, "abort")
-        seq.metrics.finished_time = time.perf_counter()
+        for q in seq.group:  # every choice of the request
+            if q.finish_reason is None:
+                self._finish(q, "abort")
+                q.metrics.finished_time = time.perf_counter()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -176,30 +199,94 @@ class LLMEngine:
         rows = [r for r, q in enumerate(seqs) if q.num_output_tokens < q.params.min_tokens]
         with torch.inference_mode():  # the runner's logits are inference tensors: edit them in place only in here
             suppress_stop_tokens(logits, rows, [self._stop_ids(seqs[r]) for r in rows])
-            tokens = sample(logits, [q.params for q in seqs], [q.generator or self._generator for q in seqs])
+            apply_logits_processors(logits, [q.logits_processor for q in seqs])
+            apply_penalties(logits, seqs)
+            fan = [q.params.n if q.needs_choices else 1 for q in seqs]  # n > 1: every choice's first token
+            src = [r for r, k in enumerate(fan) for _ in range(k)]
+            res = sample(logits if len(src) == len(seqs) else logits[src], [seqs[r].params for r in src],
+                         [g or self._generator for r, k in enumerate(fan) for g in self._sample_generators(seqs[r], k)])
         for s in sched.prefills + sched.decodes:
             s.seq.num_computed_tokens += s.num_tokens
             self.block_manager.register_computed(s.seq)
         now = time.perf_counter()
-        outputs = []
-        for r, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
-            seq.token_ids.append(tok)
-            if seq.logits is not None:
-                seq.logits.append(logits[r].cpu())
-            seq.metrics.first_token_time = seq.metrics.first_token_time or now
-            self._check_stop(seq, tok)
-            if seq.finish_reason is not None:
-                seq.metrics.finished_time = now
+        outputs, j = [], 0
+        for r, (seq, k) in enumerate(zip(seqs, fan, strict=True)):
+            row = logits[r].cpu() if seq.logits is not None else None
+            self._append(seq, res.tokens[j], res.logprobs[j], row, now)
+            choices = [(t, lp, g) for t, lp, g in zip(res.tokens[j + 1:j + k], res.logprobs[j + 1:j + k],
+                                                        self._sample_generators(seq, k)[1:], strict=True)]
+            j += k
+            if choices and not self.fork_choices:
+                seq.pending_choices = choices
+            forked = self._fork(seq, choices, row) if choices and self.fork_choices else []
+            for q in [seq, *forked]:
+                self._check_stop(q, q.token_ids[-1])
+                if q.finish_reason is not None:
+                    q.metrics.finished_time = now
+            if seq.group[0].group_finished:
                 self.requests.pop(seq.request_id, None)
-            outputs.append(self.make_output(seq))
+            outputs.extend(self.make_output(q) for q in [seq, *forked])
         return outputs
 
+    @staticmethod
+    def _sample_generators(seq: Sequence, k: int) -> list[torch.Generator | None]:
+        """The generators of a row's ``k`` samples: its own, or (first token of n > 1) each choice's."""
+        if k == 1:
+            return [seq.generator]
+        return list(seq.choice_generators) if seq.choice_generators is not None else [None] * k
+
+    def _append(self, seq: Sequence, tok: int, lp: TokenLogprobs | None, row: torch.Tensor | None,
+                now: float) -> None:
+        """Append one sampled (or received) token and what goes with it."""
+        seq.token_ids.append(int(tok))
+        if seq.logits is not None and row is not None:
+            seq.logits.append(row)
+        if seq.logprobs is not None and lp is not None:
+            seq.logprobs.append(lp)
+        if seq.logits_processor is not None:
+            seq.logits_processor.accept(int(tok))
+        seq.metrics.first_token_time = seq.metrics.first_token_time or now
+
+    def _fork(self, parent: Sequence, choices: list[tuple[int, TokenLogprobs | None, torch.Generator | None]],
+              row: torch.Tensor | None) -> list[Sequence]:
+        """Choices 1..n-1 of ``parent`` (its prompt KV computed, its first token appended): each shares the prompt's
+        full blocks (reference counts) and gets a copy of the partial last one, which every choice writes next
+        (:meth:`BlockManager.fork`); with no block free for that copy it waits to recompute its prompt (the full
+        blocks then come back from the prefix cache where it holds them)."""
+        children = []
+        n_prompt = parent.num_prompt_tokens
+        for tok, lp, gen in choices:
+            child = Sequence(seq_id=next(self._seq_ids), request_id=parent.request_id,
+                             token_ids=parent.token_ids[:n_prompt], num_prompt_tokens=n_prompt, params=parent.params,
+                             block_size=parent.block_size, prompt=parent.prompt, mm=parent.mm,
+                             metrics=RequestMetrics(parent.metrics.arrival_time, parent.metrics.first_scheduled_time),
+                             logits=[] if parent.logits is not None else None,
+                             logprobs=[] if parent.logprobs is not None else None, choice=len(parent.group),
+                             group=parent.group, generator=gen, kv_lossy=parent.kv_lossy,
+                             kv_dropped=parent.kv_dropped, _block_hashes=parent._block_hashes[:n_prompt // parent.block_size])
+            parent.group.append(child)
+            child.logits_processor = self._make_processor(parent.params)
+            self._append(child, tok, lp, row, parent.metrics.first_token_time or time.perf_counter())
+            if self.block_manager.can_fork(parent, n_prompt):
+                copy = self.block_manager.fork(parent, child, n_prompt)
+                if copy is not None:
+                    self.runner.copy_block(*copy)
+                self.scheduler.add_prefilled(child)
+            else:
+                self.scheduler.add(child)
+            children.append(child)
+        return children
+
     def _drop_unrecomputable(self, seq: Sequence) -> None:
-        """A preempted prompt whose images this process has no pixels for cannot be recomputed: end it (``abort``)
-        and list it in :attr:`cannot_recompute` for the owner to fail (a decode worker retries it elsewhere)."""
-        self._finish(seq, "abort")
-        seq.metrics.finished_time = time.perf_counter()
-        self.requests.pop(seq.request_id, None)
+        """A preempted prompt whose images this process has no pixels for cannot be recomputed: end its request
+        (``abort``, every choice) and list it in :attr:`cannot_recompute` for the owner to fail (a decode worker
+        retries it elsewhere)."""
+        if self.requests.pop(seq.request_id, None) is None:
+            return  # another choice of the same request was dropped already
+        for q in seq.group:
+            if q.finish_reason is None:
+                self._finish(q, "abort")
+                q.metrics.finished_time = time.perf_counter()
         self.cannot_recompute.append(seq.request_id)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -221,11 +308,17 @@ class LLMEngine:
             self._finish(seq, "length")
 
     def make_output(self, seq: Sequence) -> RequestOutput:
-        finished = seq.finish_reason is not None
-        text = self.tokenizer.decode(seq.output_token_ids) if finished and self.tokenizer else ""
-        out = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, seq.logits)
-        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], [out], finished,
-                             seq.metrics, seq.num_cached_tokens)
+        """``seq``'s choice so far; once the request is finished, every choice (by index)."""
+        finished = seq.group[0].group_finished
+        outs = [self._completion(q) for q in (seq.group if finished else [seq])]
+        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], outs, finished,
+                             seq.group[0].metrics, seq.group[0].num_cached_tokens)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        done = seq.finish_reason is not None
+        text = self.tokenizer.decode(seq.output_token_ids) if done and self.tokenizer else ""
+        return CompletionOutput(seq.choice, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
+                                seq.logits, seq.logprobs)
 
     # ---------------------------------------------------------------------------- disaggregation: decode-side receive
     def preallocate(self, request_id: str, prompt: Any, params: SamplingParams | None = None) -> list[int]:
@@ -256,27 +349,36 @@ class LLMEngine:
             seq.kv_dropped[layer] = dropped
 
     def commit_prefilled(self, request_id: str, first_token: int, generator_state: torch.Tensor | None = None,
-                         *, lossy: bool = False) -> RequestOutput:
+                         *, lossy: bool = False, first_logprobs: TokenLogprobs | None = None,
+                         choices: Seq[tuple[int, TokenLogprobs | None, torch.Tensor | None]] = ()
+                         ) -> list[RequestOutput]:
         """All layers arrived and verified: the request joins the running batch with its first token (sampled by
-        the prefill worker). Returns the output after that token (finished if it already ended the request).
+        the prefill worker, with its logprobs when asked). ``choices``: an ``n > 1`` request's other first tokens
+        ``(token, logprobs, generator state)`` for choices 1..n-1, forked here onto the prompt's blocks
+        (:meth:`_fork`). Returns one output per choice after its first token (finished if it already ended).
         ``lossy``: the KV was compressed on the wire, so its blocks are not published to the prefix cache (a later
         prompt must never reuse approximate KV as if it were exact)."""
         seq = self.receiving.pop(request_id)
+        if len(choices) != seq.params.n - 1:
+            self.requests.pop(request_id, None)
+            self.block_manager.free(seq)
+            raise InvalidRequestError(f"request {request_id}: {len(choices) + 1} first tokens for n={seq.params.n}")
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.kv_lossy = lossy
         self.block_manager.register_computed(seq)
-        if seq.params.seed is not None:
-            seq.generator = torch.Generator()
-            if generator_state is not None:
-                seq.generator.set_state(generator_state)
-        seq.token_ids.append(int(first_token))
-        seq.metrics.first_token_time = time.perf_counter()
+        seeded = seq.params.seed is not None
+        seq.generator = _generator(generator_state) if seeded else None
+        now = time.perf_counter()
+        self._append(seq, first_token, first_logprobs, None, now)
         self.scheduler.add_prefilled(seq)
-        self._check_stop(seq, int(first_token))
-        if seq.finish_reason is not None:
-            seq.metrics.finished_time = seq.metrics.first_token_time
+        forked = self._fork(seq, [(t, lp, _generator(g) if seeded else None) for t, lp, g in choices], None)
+        for q in [seq, *forked]:
+            self._check_stop(q, q.token_ids[-1])
+            if q.finish_reason is not None:
+                q.metrics.finished_time = now
+        if seq.group_finished:
             self.requests.pop(request_id, None)
-        return self.make_output(seq)
+        return [self.make_output(q) for q in [seq, *forked]]
 
     def release_prefill(self, request_id: str) -> bool:
         """Give back the blocks of a receiving request (transfer failed, expired or aborted)."""
@@ -302,6 +404,14 @@ class LLMEngine:
         n = len(self.runner.vision_cache)
         self.runner.vision_cache.clear()
         return n
+
+
+def _generator(state: torch.Tensor | None) -> torch.Generator:
+    """A generator at ``state`` (a fresh one without)."""
+    g = torch.Generator()
+    if state is not None:
+        g.set_state(state)
+    return g
 
 
 def _parse_device(name: str) -> torch.device:

@@ -237,6 +237,13 @@ class ModelRunner:
         return k.index_select(0, table), v.index_select(0, table)
 
     @torch.inference_mode()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy pool block ``src``'s KV into ``dst``, every layer (an ``n > 1`` choice's copy of the prompt's partial
+        last block, :meth:`engine.block_manager.BlockManager.fork`)."""
+        for k, v in self.pool:
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
+
     def write_layer(self, block_ids: list[int], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store received blocks (``[len(block_ids), block_size, kv_heads, head_dim]`` each) into the pool."""
         table = torch.tensor(block_ids, dtype=torch.long, device=self.device)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,26 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probability and the ``top`` most likely tokens' (best first), under the distribution
+    it was drawn from (:mod:`engine.sampler`). Wire form (msgpack, hand-off and worker events):
+    ``[token_id, logprob, [[id, logprob], ...]]``."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+    def to_wire(self) -> list:
+        return [self.token_id, self.logprob, [[t, lp] for t, lp in self.top]]
+
+    @classmethod
+    def from_wire(cls, w: list) -> TokenLogprobs:
+        """Inverse of :meth:`to_wire`; raises ValueError / TypeError on a malformed entry."""
+        tok, lp, top = w
+        return cls(int(tok), float(lp), [(int(t), float(x)) for t, x in top])
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -28,6 +48,11 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | None = None
     logits: list[torch.Tensor] | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when SamplingParams.logprobs is set
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -35,8 +60,8 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
+    outputs: list[CompletionOutput]  # the choices this output reports on (all n once finished), by ``index``
+    finished: bool  # every choice finished
     metrics: RequestMetrics
     num_cached_tokens: int = 0
 

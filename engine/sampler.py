@@ -1,4 +1,16 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens.
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens, logprobs, and the hooks that edit
+logits before a token is drawn (penalties: :mod:`engine.penalties`; per-request logits processors).
+
+Order of one step, for the rows that sample (the engine calls them in this order, each at most once per step):
+``suppress_stop_tokens`` (min_tokens) -> :func:`apply_logits_processors` (a request's mask, e.g. a grammar's) ->
+:func:`engine.penalties.apply_penalties` -> :func:`sample` (temperature, top-k, top-p, draw, logprobs).
+
+Logprobs are **processed** log-probabilities: ``log_softmax`` of exactly the logits the token was drawn from, i.e.
+after the edits above and after temperature and top-k / top-p (tokens those filters removed get ``-inf``); a greedy
+row (temperature 0) takes no temperature, so its logprobs are ``log_softmax`` of the edited logits. vLLM calls this
+``processed_logprobs`` (its default is ``raw_logprobs``, before any edit): we return the distribution each token was
+actually sampled from, so a sampled token's logprob is the log of the probability it had of being drawn, which is
+what evaluation harnesses that score samples expect; for greedy requests without penalties both modes agree.
 
 Greedy rows take one batched argmax. Random rows are processed one by one because each request owns its
 ``torch.Generator`` (a request's samples must not depend on what else shares its batch); the per-row work is a few
@@ -7,9 +19,32 @@ vector ops over the vocabulary, O(batch) Python per step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+
+
+class LogitsProcessor(Protocol):
+    """A per-request edit of the next-token logits (e.g. a grammar's token mask), owned by one sequence.
+
+    Call contract (the engine's): :meth:`apply` once per step in which the sequence samples, on its float32 logits
+    row ``[vocab]`` in place (set forbidden tokens to ``-inf``), before penalties and sampling; :meth:`accept` with
+    every token appended to the sequence's output, in order -- including a first token sampled on another worker
+    (disaggregated decode) -- so the processor's state follows the output."""
+
+    def apply(self, logits: torch.Tensor) -> None: ...
+
+    def accept(self, token_id: int) -> None: ...
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row: set where the row's params ask for logprobs
 
 
 def suppress_stop_tokens(logits: torch.Tensor, rows: list[int], banned: list[list[int]]) -> None:
@@ -17,6 +52,13 @@ def suppress_stop_tokens(logits: torch.Tensor, rows: list[int], banned: list[lis
     for r, ids in zip(rows, banned, strict=True):
         if ids:
             logits[r, ids] = float("-inf")
+
+
+def apply_logits_processors(logits: torch.Tensor, processors: list[LogitsProcessor | None]) -> None:
+    """In place: each row's processor (None: nothing to do) edits its row."""
+    for r, proc in enumerate(processors):
+        if proc is not None:
+            proc.apply(logits[r])
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -32,13 +74,36 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits [S, V] float32 -> one token id per row."""
+def processed_logits(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The logits a row's token is drawn from: ``row`` itself when greedy, else after temperature, top-k, top-p."""
+    if p.greedy:
+        return row
+    return _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
+
+
+def token_logprobs(processed: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The sampled ``token``'s logprob and the ``k`` most likely tokens' under ``processed`` (one row)."""
+    lp = torch.log_softmax(processed.float(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if k:
+        vals, ids = torch.topk(lp, min(k, lp.shape[-1]))
+        top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+    return TokenLogprobs(int(token), float(lp[token]), top)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+           ) -> SampleResult:
+    """logits [S, V] float32 -> one token id per row (and its logprobs where asked)."""
     out = torch.argmax(logits, dim=-1).tolist()
+    lps: list[TokenLogprobs | None] = [None] * len(out)
     for r, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
+            if p.logprobs is not None:
+                lps[r] = token_logprobs(logits[r], out[r], p.logprobs)
             continue
-        row = _filter_top_k_top_p(logits[r] / p.temperature, p.top_k, p.top_p)
+        row = processed_logits(logits[r], p)
         probs = torch.softmax(row, dim=-1)
         out[r] = int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
-    return out
+        if p.logprobs is not None:
+            lps[r] = token_logprobs(row, out[r], p.logprobs)
+    return SampleResult(out, lps)

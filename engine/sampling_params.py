@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+MAX_N = 16
+_SEED_MIX = 0x9E3779B97F4A7C15  # choice i > 0 of a seeded request: a seed no small change of the user's seed gives
 
 
 @dataclass
@@ -14,9 +18,20 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) disables top-k; ``top_p == 1`` disables nucleus
-    sampling. ``seed`` makes one request's sampling reproducible regardless of what else is batched with it.
-    ``min_tokens`` suppresses EOS and ``stop_token_ids`` until that many tokens were generated.
-    ``return_logits`` (a Duet extension) returns the float32 logits each token was sampled from.
+    sampling. ``seed`` makes one request's sampling reproducible regardless of what else is batched with it (choice
+    ``i`` of ``n`` samples from :meth:`choice_seed`). ``min_tokens`` suppresses EOS and ``stop_token_ids`` until that
+    many tokens were generated.
+
+    Penalties (as vLLM applies them): ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]) subtract
+    ``presence * [count > 0] + frequency * count`` over the tokens generated so far; ``repetition_penalty`` (> 0;
+    1 = off) divides positive logits and multiplies negative ones of every token seen in the prompt or the output.
+
+    ``logprobs``: None, or how many most likely alternatives to return beside each sampled token's log-probability
+    (0 = the sampled token's only). Log-probabilities are those of the distribution the token was drawn from
+    (*processed*: after penalties, a logits processor's mask, temperature and top-k / top-p; greedy rows skip
+    temperature), see :mod:`engine.sampler`. ``n``: independent choices decoded from one prefill of the prompt.
+    ``return_logits`` (a Duet extension) returns, per token, the float32 logits after penalties and masks and
+    before temperature and top-k / top-p.
     """
 
     temperature: float = 1.0
@@ -28,6 +43,11 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     return_logits: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -42,8 +62,31 @@ class SamplingParams:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {v}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice ``index``: ``seed`` itself for choice 0 (so ``n=1`` is unchanged), a mix of ``seed``
+        and ``index`` for the others (deterministic, and not the seed of a neighbouring request's choice 0)."""
+        if self.seed is None:
+            return None
+        if index == 0:
+            return self.seed
+        return (self.seed * _SEED_MIX + index * 0xBF58476D1CE4E5B9) % (2**63)

@@ -11,12 +11,16 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from engine.outputs import RequestMetrics
+from engine.outputs import RequestMetrics, TokenLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.penalties import PenaltyState
 
 
 class SequenceStatus(IntEnum):
@@ -115,7 +119,32 @@ class Sequence:
     kv_lossy: bool = False  # its prompt KV arrived compressed: approximate, never published to the prefix cache
     kv_dropped: dict[int, torch.Tensor] | None = None  # layer -> prompt positions dropped on the wire (decode side)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when params.logprobs is set
+    penalty: PenaltyState | None = None  # penalties' token counts (engine.penalties), made on first use
+    logits_processor: Any = None  # engine.sampler.LogitsProcessor of this sequence, or None
+    # n > 1: this sequence is choice ``choice`` of its request; ``group`` (one list shared by every choice, choice 0
+    # first) holds them all. ``choice_generators``: choice 0's sampler state for each choice's first token.
+    choice: int = 0
+    group: list[Sequence] = field(default_factory=list, compare=False, repr=False)
+    choice_generators: list[torch.Generator | None] | None = None
+    # a prefill worker's n > 1 request (LLMEngine.fork_choices False): choices 1..n-1's first (token, logprobs,
+    # generator), for the hand-off
+    pending_choices: list[tuple[int, TokenLogprobs | None, torch.Generator | None]] | None = None
     _block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            self.group.append(self)
+
+    @property
+    def group_finished(self) -> bool:
+        """Every choice of the request is finished (and all ``n`` exist)."""
+        return len(self.group) >= self.params.n and all(q.finish_reason is not None for q in self.group)
+
+    @property
+    def needs_choices(self) -> bool:
+        """Choice 0 of an ``n > 1`` request about to sample its first token: it samples one per choice."""
+        return self.params.n > 1 and self.choice == 0 and len(self.group) == 1 and self.num_output_tokens == 0
 
     @property
     def num_tokens(self) -> int:

@@ -11,15 +11,20 @@ commits the request. Fields:
   :class:`HandoffMismatch` when they differ, rather than decode at wrong positions;
 * ``expert_hist``: the prompt's routing choices ``[MoE layers][experts]`` (routing hints for pre-warm and placement);
 * ``generator_state``: a seeded request's sampler state after the first token (``torch.Generator.get_state`` bytes);
-* ``compute_done_s``: wall time the last layer's KV was computed (transfer statistics).
+* ``compute_done_s``: wall time the last layer's KV was computed (transfer statistics);
+* ``first_logprobs``: the first token's logprobs when the request asked for them, in the engine's wire form
+  ``[token_id, logprob, [[id, logprob], ...]]`` (carried as it is: this layer never interprets it);
+* ``choices``: an ``n > 1`` request's other first tokens, one map per choice 1..n-1: ``{"token", "generator_state"
+  (optional), "logprobs" (optional)}``; the decode side forks them onto the prompt's blocks.
 
 Versions (``"v"``): 1 had no version field and no ``mrope_delta`` (parsed as delta 0, which an image prompt of an
-M-RoPE model then fails against); 2 adds both. Any other version is a :class:`~kv_transfer.base.ProtocolError`.
+M-RoPE model then fails against); 2 adds both; 3 adds ``first_logprobs`` and ``choices`` (absent in 1 and 2). Any
+other version is a :class:`~kv_transfer.base.ProtocolError`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,7 +32,7 @@ import torch
 
 from kv_transfer.base import ProtocolError
 
-HANDOFF_VERSION = 2
+HANDOFF_VERSION = 3
 LEGACY_VERSION = 1  # a meta map without "v"
 
 
@@ -42,6 +47,8 @@ class Handoff:
     expert_hist: list[list[int]] | None = None
     generator_state: bytes | None = None
     compute_done_s: float | None = None
+    first_logprobs: list | None = None
+    choices: list[dict[str, Any]] = field(default_factory=list)
     version: int = HANDOFF_VERSION  # of the message it was parsed from
 
     def to_meta(self) -> dict[str, Any]:
@@ -54,6 +61,10 @@ class Handoff:
             meta["generator_state"] = self.generator_state
         if self.compute_done_s is not None:
             meta["compute_done_s"] = float(self.compute_done_s)
+        if self.first_logprobs is not None:
+            meta["first_logprobs"] = self.first_logprobs
+        if self.choices:
+            meta["choices"] = self.choices
         return meta
 
     @classmethod
@@ -63,7 +74,7 @@ class Handoff:
         if not isinstance(meta, dict):
             raise ProtocolError(f"hand-off is a {type(meta).__name__}, not a map")
         version = meta.get("v", LEGACY_VERSION)
-        if version not in (LEGACY_VERSION, HANDOFF_VERSION):
+        if not isinstance(version, int) or isinstance(version, bool) or not LEGACY_VERSION <= version <= HANDOFF_VERSION:
             raise ProtocolError(f"hand-off version {version!r} is not supported (expected <= {HANDOFF_VERSION})")
         try:
             delta = meta.get("mrope_delta", 0) if version >= 2 else 0
@@ -72,8 +83,19 @@ class Handoff:
             state = meta.get("generator_state")
             if state is not None and not isinstance(state, bytes):
                 raise TypeError("generator_state must be bytes")
+            choices = meta.get("choices", [])
+            if not isinstance(choices, list) or not all(isinstance(c, dict) and isinstance(c.get("token"), int)
+                                                        for c in choices):
+                raise TypeError("choices must be a list of maps with an int token")
+            for c in choices:
+                if c.get("generator_state") is not None and not isinstance(c["generator_state"], bytes):
+                    raise TypeError("a choice's generator_state must be bytes")
+            first_lp = meta.get("first_logprobs")
+            if first_lp is not None and not isinstance(first_lp, list):
+                raise TypeError("first_logprobs must be a list")
             return cls(first_token=int(meta["first_token"]), mrope_delta=delta, expert_hist=meta.get("expert_hist"),
-                       generator_state=state, compute_done_s=meta.get("compute_done_s"), version=version)
+                       generator_state=state, compute_done_s=meta.get("compute_done_s"), first_logprobs=first_lp,
+                       choices=choices, version=version)
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"malformed hand-off: {e!r}") from e
 

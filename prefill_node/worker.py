@@ -3,8 +3,8 @@ layer, to the decode worker that holds its lease.
 
 Queues a request moves through: ``submit`` -> engine waiting (admission) -> engine running (prefill chunks; after the
 final chunk's layer i, layer i's blocks are gathered and handed to the request's :class:`KVSender`) -> first token
-sampled -> ``finish`` frame (the :class:`~kv_transfer.handoff.Handoff`: first token, M-RoPE delta, routing hints,
-sampler state) -> blocks freed. The worker never decodes past the first token. Transfers overlap compute:
+sampled -> ``finish`` frame (the :class:`~kv_transfer.handoff.Handoff`: first token and its logprobs, an ``n > 1``
+request's other choices' first tokens, M-RoPE delta, routing hints, sampler state) -> blocks freed. The worker never decodes past the first token. Transfers overlap compute:
 ``send_layer`` only enqueues.
 
 Not thread-safe by itself: the actor wrapper serialises calls (``submit``/``abort`` and ``step`` under one lock).
@@ -46,6 +46,7 @@ class PrefillWorker:
         self.engine = LLMEngine(model_dir, config)
         self.engine.runner.track_routing = self.engine.model_config.text.is_moe
         self.engine.kv_exporter = self._export
+        self.engine.fork_choices = False  # n > 1: the choices' first tokens go in the hand-off, decode forks them
         self.stream_layers = stream_layers
         self.compression = resolve_policy(compression)
         self.codec = codec_for(self.compression)  # the senders' codec (identity without a policy)
@@ -171,10 +172,14 @@ class PrefillWorker:
         """What the decode side needs beside the KV (:mod:`kv_transfer.handoff`)."""
         if seq is None:
             return Handoff(int(first_token), compute_done_s=compute_done_s)
+        choices = [{"token": int(tok), **({} if g is None else {"generator_state": generator_to_state(g)}),
+                    **({} if lp is None else {"logprobs": lp.to_wire()})}
+                   for tok, lp, g in seq.pending_choices or []]
         return Handoff(int(first_token), mrope_delta=0 if seq.mm is None else int(seq.mm.mrope_delta),
                        expert_hist=None if seq.expert_hist is None else seq.expert_hist.tolist(),
                        generator_state=None if seq.generator is None else generator_to_state(seq.generator),
-                       compute_done_s=compute_done_s)
+                       compute_done_s=compute_done_s,
+                       first_logprobs=seq.logprobs[0].to_wire() if seq.logprobs else None, choices=choices)
 
 
 @dataclasses.dataclass

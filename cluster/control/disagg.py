@@ -315,6 +315,8 @@ class DisaggCluster(ClusterOps):
         last = t0
         clock = RequestClock(arrival=time.monotonic())
         async for item in self._serve(p, wire, params, None):
+            if item.get("index", 0):
+                continue  # a Completion is one choice: the first
             now = time.perf_counter()
             clock.observe(item)
             if item["token_ids"] and c.ttft_s is None:

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.outputs import TokenLogprobs
+
 
 @dataclass
 class ImageInput:
@@ -27,6 +29,11 @@ class SamplingOptions:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the k most likely tokens'
+    n: int = 1
 
 
 @dataclass
@@ -47,16 +54,30 @@ class GenerateInput:
 class DeltaEvent:
     token_ids: list[int]
     text: str
+    index: int = 0  # the choice (n > 1)
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
+
+
+@dataclass(frozen=True)
+class ChoiceEnd:
+    index: int
+    finish_reason: str  # "stop" | "length" | "abort"
+    stop: str  # the stop string that ended it, if any
+    completion_tokens: int
 
 
 @dataclass(frozen=True)
 class FinalEvent:
+    """The request's end. ``finish_reason`` / ``stop`` are choice 0's; ``choices`` has every choice's (by index);
+    ``completion_tokens`` counts all choices' tokens."""
+
     request_id: str
     finish_reason: str  # "stop" | "length" | "abort"
     stop: str
     prompt_tokens: int
     completion_tokens: int
     timeline: dict  # RequestClock.timeline(...) plus "kv_transfer"
+    choices: list[ChoiceEnd] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from cluster.serve.limits import (
 )
 from cluster.serve.metrics import Metrics
 from cluster.serve.schema import (
+    ChoiceEnd,
     DeltaEvent,
     FinalEvent,
     GenerateInput,
@@ -50,6 +51,7 @@ from cluster.serve.schema import (
 from cluster.serve.stop_strings import StopMatcher
 from engine import SamplingParams
 from engine.errors import DuetError, InvalidRequestError, PromptTooLongError
+from engine.outputs import TokenLogprobs
 from engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,33 @@ MAX_REQUEST_ID_LEN = 128
 
 _ABORT = object()
 _END = object()
+
+
+class _Choice:
+    """One choice's stream state: detokenizer, stop strings, tokens so far, how it ended."""
+
+    def __init__(self, tok: Any, prompt_ids: list[int], stops: list[str]) -> None:
+        self.detok = IncrementalDetokenizer(tok, prompt_ids) if tok is not None else None
+        self.stopper = StopMatcher(stops)
+        self.n_out = 0
+        self.finish: str | None = None
+
+    def push(self, item: dict, index: int) -> DeltaEvent | None:
+        ids = list(item["token_ids"])
+        self.n_out += len(ids)
+        detok, stopper = self.detok, self.stopper
+        text = stopper.push(detok.push(ids)) if detok is not None else ""
+        done = bool(item.get("choice_finished", item.get("finished")))
+        if done and detok is not None and stopper.matched is None:
+            text += stopper.push(detok.finish()) + stopper.flush()
+        if stopper.matched is not None:
+            self.finish = "stop"
+        elif done:
+            self.finish = item.get("finish_reason") or "stop"
+        lps = item.get("logprobs")
+        if not (ids or text):
+            return None
+        return DeltaEvent(ids, text, index, None if lps is None else [TokenLogprobs.from_wire(w) for w in lps])
 
 
 class InferenceService:
@@ -111,7 +140,7 @@ class InferenceService:
                                          f"{self.max_prompt_tokens}")
             params = self._params(req.sampling, len(prompt_ids))
             pump = asyncio.create_task(self._pump(prepared, params, f"{self._tag}-{rid}", queue))
-            async for event in self._events(rid, queue, prompt_ids, req.sampling.stop, clock):
+            async for event in self._events(rid, queue, prompt_ids, req.sampling.stop, params.n, clock):
                 if isinstance(event, FinalEvent):
                     outcome = "aborted" if event.finish_reason == "abort" else "ok"
                     self.metrics.observe_finished(event.timeline, event.prompt_tokens, event.completion_tokens)
@@ -141,13 +170,13 @@ class InferenceService:
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
             queue.put_nowait(e)
 
-    async def _events(self, rid: str, queue: asyncio.Queue, prompt_ids: list[int], stops: list[str],
+    async def _events(self, rid: str, queue: asyncio.Queue, prompt_ids: list[int], stops: list[str], n: int,
                       clock: RequestClock) -> AsyncIterator[DeltaEvent | FinalEvent]:
-        tok = self.cluster.tokenizer
-        detok = IncrementalDetokenizer(tok, prompt_ids) if tok is not None else None
-        stopper = StopMatcher(stops)
-        n_out, kv, attempts, finish = 0, None, 1, "abort"
-        while True:
+        """Worker token events -> deltas per choice (detokenized, stop strings applied), then the final event once
+        every choice ended (its worker's finish, or a stop string here)."""
+        choices = [_Choice(self.cluster.tokenizer, prompt_ids, stops) for _ in range(n)]
+        kv, attempts = None, 1
+        while not all(c.finish for c in choices):
             item = await queue.get()
             if item is _ABORT:
                 break
@@ -159,22 +188,18 @@ class InferenceService:
             kv, attempts = item.get("kv_transfer") or kv, item.get("attempt", attempts)
             if item.get("expert_hist"):
                 self.expert_load.add(item["expert_hist"])
-            ids = list(item["token_ids"])
-            n_out += len(ids)
-            text = stopper.push(detok.push(ids)) if detok is not None else ""
-            done = bool(item.get("finished"))
-            if done and detok is not None and stopper.matched is None:
-                text += stopper.push(detok.finish()) + stopper.flush()
-            if ids or text:
-                yield DeltaEvent(ids, text)
-            if stopper.matched is not None:
-                finish = "stop"
-                break
-            if done:
-                finish = item.get("finish_reason") or "stop"
-                break
+            index = item.get("index", 0)
+            if not 0 <= index < n or choices[index].finish:
+                continue  # a choice a stop string ended here: the rest of its tokens are dropped
+            delta = choices[index].push(item, index)
+            if delta is not None:
+                yield delta
+        for c in choices:
+            c.finish = c.finish or "abort"
         timeline = {**clock.timeline(kv, attempts=attempts), "kv_transfer": kv or {}}
-        yield FinalEvent(rid, finish, stopper.matched or "", len(prompt_ids), n_out, timeline)
+        ends = [ChoiceEnd(i, c.finish, c.stopper.matched or "", c.n_out) for i, c in enumerate(choices)]
+        yield FinalEvent(rid, ends[0].finish_reason, ends[0].stop, len(prompt_ids), sum(e.completion_tokens for e in ends),
+                         timeline, ends)
 
     # ------------------------------------------------------------------------------------------- validation
     def _check_request_id(self, rid: str) -> None:
@@ -231,7 +256,7 @@ class InferenceService:
 
     def _params(self, s: SamplingOptions, prompt_tokens: int) -> SamplingParams:
         d = self.defaults
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             v = getattr(s, name)
             if v is not None and not math.isfinite(v):
                 raise InvalidRequestError(f"{name} must be a finite number, got {v}")
@@ -242,7 +267,9 @@ class InferenceService:
             top_p=d.top_p if s.top_p is None else s.top_p,
             top_k=d.top_k if s.top_k is None else s.top_k,
             max_tokens=max_tokens, min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
-            ignore_eos=s.ignore_eos, seed=s.seed)
+            ignore_eos=s.ignore_eos, seed=s.seed, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty, logprobs=s.logprobs,
+            n=s.n)
 
     # ------------------------------------------------------------------------------------------- the rest
     def abort(self, request_id: str) -> bool:
