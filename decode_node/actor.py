@@ -214,7 +214,8 @@ class DecodeActor(WorkerActorBase):
                 ev = {"request_id": rid, "index": c.index, "token_ids": c.token_ids[start:], "finished": out.finished,
                       "choice_finished": c.finished, "finish_reason": c.finish_reason}
                 if c.logprobs is not None:
-                    ev["logprobs"] = [lp.to_wire() for lp in c.logprobs[start:]]
+                    # the engine's list, which a later step of the same report may have grown: cut at the tokens
+                    ev["logprobs"] = [lp.to_wire() for lp in c.logprobs[start:len(c.token_ids)]]
                 if c.index == 0 and rid in report.routing_hints:
                     ev["expert_hist"] = report.routing_hints[rid]
                 if c.index == 0 and rid in report.transfers:

@@ -48,7 +48,9 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | None = None
     logits: list[torch.Tensor] | None = None
-    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when SamplingParams.logprobs is set
+    # one per token of token_ids, when SamplingParams.logprobs is set; the sequence's own list while it runs (it may
+    # grow past token_ids: read [:len(token_ids)])
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

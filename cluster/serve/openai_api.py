@@ -16,15 +16,18 @@ import json
 import logging
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from cluster.serve.errors import classify
+from cluster.serve.openai_logprobs import chat_logprobs, completion_logprobs
 from cluster.serve.openai_requests import chat_input, completion_from_body
 from cluster.serve.schema import DeltaEvent, FinalEvent, GenerateInput
 from cluster.serve.service import InferenceService
 from engine.errors import InvalidRequestError
+from engine.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -66,61 +69,103 @@ async def _json_body(request: web.Request) -> dict:
     return body
 
 
+class _Reply:
+    """How one request's choices are written: chat or completion shape, logprobs, echo."""
+
+    def __init__(self, service: InferenceService, inp: GenerateInput, body: dict, chat: bool) -> None:
+        self.chat, self.tok = chat, service.cluster.tokenizer
+        self.want_logprobs = inp.sampling.logprobs is not None
+        self.echo = ""
+        if not chat and body.get("echo"):
+            self.echo = inp.prompt if inp.prompt is not None else token_text_of(self.tok, inp.prompt_token_ids or [])
+        self.offsets: dict[int, int] = {}  # completions: text returned so far per choice (logprobs text_offset)
+
+    def logprobs(self, index: int, lps: list[TokenLogprobs] | None) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tok, lps or [])
+        return completion_logprobs(self.tok, lps or [], self.offsets.get(index, len(self.echo)))
+
+    def advance(self, index: int, text: str) -> None:
+        self.offsets[index] = self.offsets.get(index, len(self.echo)) + len(text)
+
+
+def token_text_of(tok, ids: list[int]) -> str:
+    return tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
+
+
 async def _serve(request: web.Request, inp: GenerateInput, body: dict, chat: bool) -> web.StreamResponse:
     service = request.app[SERVICE_KEY]
     kind = "chat.completion" if chat else "text_completion"
     meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": service.model_name}
+    reply = _Reply(service, inp, body, chat)
     events = service.generate(inp, api="http")
     try:
         if body.get("stream"):
             opts = body.get("stream_options") or {}
-            return await _stream(request, events, meta, kind, chat, bool(opts.get("include_usage")))
-        text, final = [], None
+            return await _stream(request, events, meta, kind, reply, bool(opts.get("include_usage")))
+        texts: dict[int, list[str]] = defaultdict(list)
+        lps: dict[int, list[TokenLogprobs]] = defaultdict(list)
+        final = None
         async for ev in events:
             if isinstance(ev, DeltaEvent):
-                text.append(ev.text)
+                texts[ev.index].append(ev.text)
+                lps[ev.index].extend(ev.logprobs or [])
             else:
                 final = ev
         assert final is not None
-        choice: dict = {"index": 0, "finish_reason": _finish(final.finish_reason), "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-        return web.json_response({**meta, "object": kind, "choices": [choice], "usage": _usage(final),
+        choices = []
+        for end in final.choices:
+            text = reply.echo + "".join(texts[end.index])
+            choice: dict = {"index": end.index, "finish_reason": _finish(end.finish_reason),
+                            "logprobs": reply.logprobs(end.index, lps[end.index])}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return web.json_response({**meta, "object": kind, "choices": choices, "usage": _usage(final),
                                   "duet_timeline": final.timeline})
     finally:
         await events.aclose()
 
 
-async def _stream(request: web.Request, events: AsyncIterator, meta: dict, kind: str, chat: bool,
+async def _stream(request: web.Request, events: AsyncIterator, meta: dict, kind: str, reply: _Reply,
                   include_usage: bool) -> web.StreamResponse:
     first = await anext(events)  # a bad request fails here, before the 200 is sent
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    chat = reply.chat
 
     async def send(obj: dict | str) -> None:
         await resp.write(f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode())
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+    def chunk(index: int, text: str | None, finish: str | None, role: bool = False, lps: dict | None = None) -> dict:
         if chat:
             delta = {"role": "assistant", "content": text or ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lps}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": lps}
         return {**meta, "object": f"{kind}.chunk" if chat else kind, "choices": [choice]}
 
-    role_sent = False
+    started: set[int] = set()  # choices whose role chunk (chat) or echo (completions) was sent
     ev = first
     try:
         while True:
             if isinstance(ev, DeltaEvent):
-                if ev.text or (chat and not role_sent):
-                    await send(chunk(ev.text, None, role=chat and not role_sent))
-                    role_sent = True
+                i = ev.index
+                if i not in started and (chat or reply.echo):
+                    await send(chunk(i, reply.echo if not chat else "", None, role=chat))
+                started.add(i)
+                if ev.text or (reply.want_logprobs and ev.token_ids):
+                    lps = reply.logprobs(i, ev.logprobs) if ev.token_ids else None
+                    await send(chunk(i, ev.text, None, lps=lps))
+                    reply.advance(i, ev.text)
             else:
-                await send(chunk(None, _finish(ev.finish_reason)))
+                for end in ev.choices:
+                    await send(chunk(end.index, None, _finish(end.finish_reason)))
                 if include_usage:
                     await send({**meta, "object": f"{kind}.chunk" if chat else kind, "choices": [],
                                 "usage": _usage(ev)})

@@ -4,7 +4,12 @@
 Chat ``content`` may be a string or a list of ``text`` and ``image_url`` parts; each image part becomes an
 ``<image>`` placeholder at its place, and its URL must be a base64 ``data:`` URL; a ``video_url`` (or ``video``) part is
 refused with :class:`~engine.errors.UnsupportedInputError` (video is not served yet). Duet extensions beside OpenAI's
-fields: ``top_k``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``.
+fields (vLLM's names): ``top_k``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``repetition_penalty``.
+
+No field that would change the output is ever ignored: a body field outside :data:`CHAT_FIELDS` /
+:data:`COMPLETION_FIELDS` is a 400 naming it (those OpenAI defines that Duet does not serve say so:
+:data:`NOT_SERVED`). Fields that change nothing about the tokens (``user``, ``metadata``, ``store``, ...) are
+accepted.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 
 from cluster.serve.schema import GenerateInput, ImageInput, SamplingOptions
 from engine.errors import InvalidRequestError, UnsupportedInputError
+from engine.sampling_params import MAX_LOGPROBS, MAX_N
 
 
 def _field(body: dict, name: str, types: type | tuple[type, ...], default: Any = None) -> Any:
@@ -35,14 +41,72 @@ def _int_list(body: dict, name: str) -> list[int]:
     return v
 
 
-def sampling_from_body(body: dict) -> SamplingOptions:
+_SAMPLING_FIELDS = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "max_tokens",
+                    "max_completion_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "seed", "n",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+                    "user", "metadata", "store", "service_tier"}  # the last four change no token
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+                                  "response_format"}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo"}
+NOT_SERVED = {"logit_bias": "logit_bias is not supported", "best_of": "best_of is not supported (use n)",
+              "suffix": "suffix (insertion) is not supported", "functions": "functions is not supported",
+              "function_call": "function_call is not supported", "audio": "audio output is not supported",
+              "modalities": "only text output is supported", "prediction": "predicted outputs are not supported",
+              "web_search_options": "web search is not supported",
+              "reasoning_effort": "reasoning_effort is not supported"}
+
+
+def check_fields(body: dict, allowed: set[str]) -> None:
+    """400 for a field that is not served, naming it (the first, in sorted order)."""
+    for name in sorted(set(body) - allowed):
+        if body[name] is None:
+            continue  # null is "not given" for every OpenAI field
+        raise InvalidRequestError(NOT_SERVED.get(name, f"unknown field '{name}'"))
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise InvalidRequestError("'stream_options' must be an object")
+        if not body.get("stream"):
+            raise InvalidRequestError("'stream_options' is only allowed with stream: true")
+        for key in sorted(set(opts) - {"include_usage"}):
+            raise InvalidRequestError(f"unknown field 'stream_options.{key}'")
+        if not isinstance(opts.get("include_usage", False), bool):
+            raise InvalidRequestError("'stream_options.include_usage' must be a boolean")
+
+
+def _float(body: dict, name: str, default: float) -> float:
+    v = _field(body, name, (int, float), None)
+    return default if v is None else float(v)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat: ``logprobs: true`` (the sampled token's) and ``top_logprobs`` (0..20 alternatives, needs logprobs)."""
+    want = _field(body, "logprobs", bool, False)
+    top = _field(body, "top_logprobs", int, None)
+    if top is not None and not want:
+        raise InvalidRequestError("'top_logprobs' needs 'logprobs': true")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}")
+    return (top or 0) if want else None
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """Completions: ``logprobs`` is the number of alternatives (0..20) beside the sampled token's."""
+    k = _field(body, "logprobs", int, None)
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {k}")
+    return k
+
+
+def sampling_from_body(body: dict, logprobs: int | None = None) -> SamplingOptions:
     n = _field(body, "n", int, 1)
-    if n != 1:
-        raise InvalidRequestError("only n=1 is supported")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise InvalidRequestError("logprobs are not supported")
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f"'n' must be in [1, {MAX_N}], got {n}")
     if body.get("tools"):
         raise InvalidRequestError("tools are not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise InvalidRequestError("'response_format' other than {\"type\": \"text\"} is not supported")
     stop = _field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
@@ -56,7 +120,9 @@ def sampling_from_body(body: dict) -> SamplingOptions:
         top_p=None if top_p is None else float(top_p), top_k=_field(body, "top_k", int, None),
         max_tokens=max_tokens, min_tokens=_field(body, "min_tokens", int, 0),
         stop_token_ids=_int_list(body, "stop_token_ids"), stop=stop,
-        ignore_eos=_field(body, "ignore_eos", bool, False), seed=_field(body, "seed", int, None))
+        ignore_eos=_field(body, "ignore_eos", bool, False), seed=_field(body, "seed", int, None),
+        presence_penalty=_float(body, "presence_penalty", 0.0), frequency_penalty=_float(body, "frequency_penalty", 0.0),
+        repetition_penalty=_float(body, "repetition_penalty", 1.0), logprobs=logprobs, n=n)
 
 
 def decode_data_url(url: str, where: str) -> ImageInput:
@@ -114,10 +180,13 @@ def chat_from_body(body: dict) -> tuple[list[dict], list[ImageInput]]:
 
 
 def completion_from_body(body: dict) -> GenerateInput:
-    if body.get("echo"):
-        raise InvalidRequestError("echo is not supported")
+    check_fields(body, COMPLETION_FIELDS)
+    logprobs = _completion_logprobs(body)
+    if _field(body, "echo", bool, False) and logprobs is not None:
+        raise InvalidRequestError("'echo' with 'logprobs' (prompt logprobs) is not supported")
     prompt = body.get("prompt")
-    inp = GenerateInput(raw_prompt=True, sampling=sampling_from_body(body), model=_field(body, "model", str, ""))
+    inp = GenerateInput(raw_prompt=True, sampling=sampling_from_body(body, logprobs),
+                        model=_field(body, "model", str, ""))
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
@@ -131,6 +200,7 @@ def completion_from_body(body: dict) -> GenerateInput:
 
 def chat_input(body: dict) -> GenerateInput:
     """A ``/v1/chat/completions`` body as a request (messages rendered with the chat template by the service)."""
+    check_fields(body, CHAT_FIELDS)
     messages, images = chat_from_body(body)
-    return GenerateInput(messages=messages, images=images, sampling=sampling_from_body(body),
+    return GenerateInput(messages=messages, images=images, sampling=sampling_from_body(body, _chat_logprobs(body)),
                          model=_field(body, "model", str, ""))
