@@ -23,12 +23,12 @@ from duet_client.errors import (
     Unauthenticated,
     Unavailable,
 )
-from duet_client.types import Completion, Delta, Usage
+from duet_client.types import Choice, Completion, Delta, TokenLogprob, Usage
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncClient", "AsyncTokenStream", "Cancelled", "Client", "Completion", "DeadlineExceeded", "Delta",
+    "AsyncClient", "AsyncTokenStream", "Cancelled", "Choice", "Client", "Completion", "DeadlineExceeded", "Delta",
     "DuetClientError", "Internal", "InvalidArgument", "NotFound", "ResourceExhausted", "RetryPolicy", "TLSConfig",
-    "TokenStream", "Unauthenticated", "Unavailable", "Usage",
+    "TokenLogprob", "TokenStream", "Unauthenticated", "Unavailable", "Usage",
 ]

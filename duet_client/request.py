@@ -10,7 +10,7 @@ from typing import Any
 
 from duet_client._proto.duet.v1 import duet_pb2 as pb
 
-API_VERSION = 1
+API_VERSION = 2  # of duet.v1 this client speaks (2: penalties, logprobs, n)
 
 _MAGIC = [
     (b"\x89PNG\r\n\x1a\n", "image/png"),
@@ -52,16 +52,21 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
                   images: Sequence[ImageLike] = (), max_tokens: int | None = None, temperature: float | None = None,
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                   stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] = (), min_tokens: int = 0,
-                  ignore_eos: bool = False, raw_prompt: bool = False, model: str = "", request_id: str = ""
+                  ignore_eos: bool = False, raw_prompt: bool = False, model: str = "", request_id: str = "",
+                  presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                  repetition_penalty: float | None = None, logprobs: int | None = None, n: int = 1
                   ) -> pb.GenerateRequest:
     """The request for ``prompt`` (text, or token ids with image placeholders expanded) or chat ``messages``
-    (``[{"role": ..., "content": ...}]``, each ``<image>`` in a content marks where the next image goes)."""
+    (``[{"role": ..., "content": ...}]``, each ``<image>`` in a content marks where the next image goes).
+    ``logprobs``: None for none, k for each token's logprob and the k most likely tokens'; ``n``: choices."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt or messages")
     sampling = pb.SamplingParams(min_tokens=min_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                                 stop=[stop] if isinstance(stop, str) else list(stop or ()))
+                                 stop=[stop] if isinstance(stop, str) else list(stop or ()), n=0 if n == 1 else n)
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
-                        ("max_tokens", max_tokens), ("seed", seed)):
+                        ("max_tokens", max_tokens), ("seed", seed), ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
+                        ("logprobs", logprobs)):
         if value is not None:
             setattr(sampling, name, value)
     req = pb.GenerateRequest(api_version=API_VERSION, request_id=request_id, model=model, sampling=sampling,

@@ -10,11 +10,35 @@ FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "lengt
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the distribution it was sampled from, and the ``top`` most likely tokens'
+    ``(token_id, logprob)``, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Delta:
-    """Tokens generated since the previous delta, and their text."""
+    """Tokens of choice ``index`` generated since its previous delta, their text, and their logprobs when asked."""
 
     token_ids: list[int]
     text: str
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Choice:
+    """One of ``n`` choices of a finished request."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop: str = ""
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -40,6 +64,8 @@ class Completion:
     stop: str = ""  # the stop string that ended it, if any
     usage: Usage = field(default_factory=Usage)
     timeline: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # choice 0's, when asked
+    choices: list[Choice] = field(default_factory=list)  # every choice (text, token_ids, ... above: choice 0's)
 
 
 class CompletionBuilder:
@@ -48,25 +74,40 @@ class CompletionBuilder:
     def __init__(self) -> None:
         self.completion = Completion(request_id="")
         self.finished = False
+        self._choices: dict[int, Choice] = {}
 
     @property
     def started(self) -> bool:
         """A token (or the final message) arrived: the request can no longer be retried transparently."""
-        return self.finished or bool(self.completion.token_ids)
+        return self.finished or any(ch.token_ids for ch in self._choices.values())
 
     def add(self, resp: pb.GenerateResponse) -> Delta | None:
         """Fold one response in; returns the delta to hand to the caller (None for the final message)."""
         c = self.completion
         c.request_id = resp.request_id or c.request_id
         if resp.WhichOneof("kind") == "delta":
-            ids, text = list(resp.delta.token_ids), resp.delta.text
-            c.token_ids.extend(ids)
-            c.text += text
-            return Delta(ids, text)
+            d = resp.delta
+            ids, text = list(d.token_ids), d.text
+            lps = [TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+                   for lp in d.logprobs] or None
+            choice = self._choices.setdefault(d.index, Choice(d.index))
+            choice.token_ids.extend(ids)
+            choice.text += text
+            if lps:
+                choice.logprobs = (choice.logprobs or []) + lps
+            if d.index == 0:
+                c.token_ids, c.text, c.logprobs = choice.token_ids, choice.text, choice.logprobs
+            return Delta(ids, text, d.index, lps)
         f = resp.final
         self.finished = True
         c.finish_reason = FINISH_REASONS.get(f.finish_reason)
         c.stop = f.stop
+        for end in f.choices:  # an api_version-1 server sends none: choice 0 is the request
+            choice = self._choices.setdefault(end.index, Choice(end.index))
+            choice.finish_reason, choice.stop = FINISH_REASONS.get(end.finish_reason), end.stop
+        c.choices = [self._choices[i] for i in sorted(self._choices)] or [Choice(0)]
+        if not f.choices:
+            c.choices[0].finish_reason, c.choices[0].stop = c.finish_reason, c.stop
         c.usage = Usage(f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.total_tokens)
         c.timeline = timeline_to_dict(f.timeline)
         return None

@@ -34,7 +34,7 @@ from engine.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-API_VERSION = 1
+API_VERSION = 2  # 2: penalties, logprobs, n (fields added; version-1 requests mean the same)
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 _ROLES = {"prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE}
 
@@ -48,7 +48,11 @@ def request_from_proto(req: pb.GenerateRequest) -> GenerateInput:
         top_p=s.top_p if s.HasField("top_p") else None, top_k=s.top_k if s.HasField("top_k") else None,
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None, min_tokens=s.min_tokens,
         stop_token_ids=list(s.stop_token_ids), stop=list(s.stop), ignore_eos=s.ignore_eos,
-        seed=s.seed if s.HasField("seed") else None)
+        seed=s.seed if s.HasField("seed") else None,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        logprobs=s.logprobs if s.HasField("logprobs") else None, n=s.n or 1)
     kind = req.WhichOneof("input")
     inp = GenerateInput(images=[ImageInput(i.data, i.mime_type) for i in req.images], raw_prompt=req.raw_prompt,
                         sampling=sampling, model=req.model, request_id=req.request_id)
@@ -74,8 +78,16 @@ def final_to_proto(ev: FinalEvent) -> pb.GenerateFinal:
                                   exposed_seconds=float(kv.get("exposed_seconds", 0.0))))
     usage = pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
                      total_tokens=ev.prompt_tokens + ev.completion_tokens)
+    choices = [pb.ChoiceFinal(index=c.index, finish_reason=_FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+                              stop=c.stop, completion_tokens=c.completion_tokens) for c in ev.choices]
     return pb.GenerateFinal(finish_reason=_FINISH.get(ev.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-                            stop=ev.stop, usage=usage, timeline=timeline)
+                            stop=ev.stop, usage=usage, timeline=timeline, choices=choices)
+
+
+def delta_to_proto(ev: DeltaEvent) -> pb.TokenDelta:
+    lps = [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=x) for t, x in lp.top]) for lp in ev.logprobs or []]
+    return pb.TokenDelta(token_ids=ev.token_ids, text=ev.text, index=ev.index, logprobs=lps)
 
 
 class DuetServicer(pb_grpc.DuetServicer):
@@ -93,7 +105,7 @@ class DuetServicer(pb_grpc.DuetServicer):
                 async for ev in events:
                     if isinstance(ev, DeltaEvent):
                         yield pb.GenerateResponse(api_version=API_VERSION, request_id=rid,
-                                                  delta=pb.TokenDelta(token_ids=ev.token_ids, text=ev.text))
+                                                  delta=delta_to_proto(ev))
                     else:
                         yield pb.GenerateResponse(api_version=API_VERSION, request_id=rid, final=final_to_proto(ev))
         except Exception as e:  # noqa: BLE001 - every failure becomes a status

@@ -35,7 +35,7 @@ def test_request_building():
                         temperature=0.0, request_id="r1")
     assert req.prompt == "<image>hi" and [i.mime_type for i in req.images] == ["image/png"] * 2
     assert req.sampling.HasField("temperature") and not req.sampling.HasField("top_p")
-    assert list(req.sampling.stop) == [","] and req.request_id == "r1" and req.api_version == 1
+    assert list(req.sampling.stop) == [","] and req.request_id == "r1" and req.api_version == 2
     assert build_request([1, 2, 3]).prompt_token_ids.ids == [1, 2, 3]
     assert build_request(messages=[{"role": "user", "content": "x"}]).WhichOneof("input") == "chat"
     assert sniff_mime(b"\xff\xd8\xff\xe0") == "image/jpeg" and sniff_mime(b"??") == ""

@@ -171,3 +171,36 @@ def test_what_is_not_served_is_a_400_naming_the_field(server, case):
 def test_echo_with_logprobs_is_refused_by_name(oai):
     with pytest.raises(openai.BadRequestError, match="echo"):
         oai.completions.create(model="duet-demo", prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
+
+
+def test_grpc_sdk_carries_logprobs_and_choices(server, oai, serve_cluster):
+    from duet_client import Client
+
+    with Client(server.grpc_target) as client:
+        c = client.generate_text(PROMPT, max_tokens=5, temperature=0, logprobs=2, ignore_eos=True)
+        many = client.generate_text(PROMPT, max_tokens=4, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    r = oai.completions.create(model="duet-demo", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
+                               extra_body={"ignore_eos": True})
+    assert [lp.token_id for lp in c.logprobs] == c.token_ids
+    assert [lp.logprob for lp in c.logprobs] == pytest.approx(r.choices[0].logprobs.token_logprobs, abs=1e-6)
+    assert all(len(lp.top) == 2 and lp.top[0][1] == pytest.approx(lp.logprob) for lp in c.logprobs)
+    assert [ch.index for ch in many.choices] == [0, 1, 2]
+    assert all(len(ch.token_ids) == 4 and ch.finish_reason == "length" for ch in many.choices)
+    assert many.usage.completion_tokens == 12 and many.text == many.choices[0].text
+    wait_idle(serve_cluster)
+
+
+def test_a_version_1_grpc_request_is_served_as_before(server):
+    import grpc
+
+    from duet_client._proto.duet.v1 import duet_pb2 as pb
+    from duet_client._proto.duet.v1 import duet_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(server.grpc_target) as ch:
+        req = pb.GenerateRequest(api_version=1, prompt_token_ids=pb.TokenIds(ids=PROMPT),
+                                 sampling=pb.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        resps = list(pb_grpc.DuetStub(ch).Generate(req, timeout=60))
+    deltas = [r.delta for r in resps if r.WhichOneof("kind") == "delta"]
+    assert sum(len(d.token_ids) for d in deltas) == 3
+    assert all(d.index == 0 and not d.logprobs for d in deltas)  # nothing a version-1 client did not ask for
+    assert resps[-1].final.finish_reason == pb.FINISH_REASON_LENGTH
