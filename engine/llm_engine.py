@@ -26,7 +26,7 @@ from engine.model import LlavaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from engine.penalties import apply_penalties
-from engine.sampler import LogitsProcessor, apply_logits_processors, sample, suppress_stop_tokens
+from engine.sampler import LogitsProcessor, apply_logits_processors, generator_at, sample, suppress_stop_tokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -204,7 +204,7 @@ class LLMEngine:
             fan = [q.params.n if q.needs_choices else 1 for q in seqs]  # n > 1: every choice's first token
             src = [r for r, k in enumerate(fan) for _ in range(k)]
             res = sample(logits if len(src) == len(seqs) else logits[src], [seqs[r].params for r in src],
-                         [g or self._generator for r, k in enumerate(fan) for g in self._sample_generators(seqs[r], k)])
+                         [g or self._generator for r, k in enumerate(fan) for g in seqs[r].sample_generators(k)])
         for s in sched.prefills + sched.decodes:
             s.seq.num_computed_tokens += s.num_tokens
             self.block_manager.register_computed(s.seq)
@@ -214,7 +214,7 @@ class LLMEngine:
             row = logits[r].cpu() if seq.logits is not None else None
             self._append(seq, res.tokens[j], res.logprobs[j], row, now)
             choices = [(t, lp, g) for t, lp, g in zip(res.tokens[j + 1:j + k], res.logprobs[j + 1:j + k],
-                                                        self._sample_generators(seq, k)[1:], strict=True)]
+                                                        seq.sample_generators(k)[1:], strict=True)]
             j += k
             if choices and not self.fork_choices:
                 seq.pending_choices = choices
@@ -227,13 +227,6 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
             outputs.extend(self.make_output(q) for q in [seq, *forked])
         return outputs
-
-    @staticmethod
-    def _sample_generators(seq: Sequence, k: int) -> list[torch.Generator | None]:
-        """The generators of a row's ``k`` samples: its own, or (first token of n > 1) each choice's."""
-        if k == 1:
-            return [seq.generator]
-        return list(seq.choice_generators) if seq.choice_generators is not None else [None] * k
 
     def _append(self, seq: Sequence, tok: int, lp: TokenLogprobs | None, row: torch.Tensor | None,
                 now: float) -> None:
@@ -256,15 +249,7 @@ class LLMEngine:
         children = []
         n_prompt = parent.num_prompt_tokens
         for tok, lp, gen in choices:
-            child = Sequence(seq_id=next(self._seq_ids), request_id=parent.request_id,
-                             token_ids=parent.token_ids[:n_prompt], num_prompt_tokens=n_prompt, params=parent.params,
-                             block_size=parent.block_size, prompt=parent.prompt, mm=parent.mm,
-                             metrics=RequestMetrics(parent.metrics.arrival_time, parent.metrics.first_scheduled_time),
-                             logits=[] if parent.logits is not None else None,
-                             logprobs=[] if parent.logprobs is not None else None, choice=len(parent.group),
-                             group=parent.group, generator=gen, kv_lossy=parent.kv_lossy,
-                             kv_dropped=parent.kv_dropped, _block_hashes=parent._block_hashes[:n_prompt // parent.block_size])
-            parent.group.append(child)
+            child = parent.new_choice(next(self._seq_ids), gen)
             child.logits_processor = self._make_processor(parent.params)
             self._append(child, tok, lp, row, parent.metrics.first_token_time or time.perf_counter())
             if self.block_manager.can_fork(parent, n_prompt):
@@ -367,11 +352,11 @@ class LLMEngine:
         seq.kv_lossy = lossy
         self.block_manager.register_computed(seq)
         seeded = seq.params.seed is not None
-        seq.generator = _generator(generator_state) if seeded else None
+        seq.generator = generator_at(generator_state) if seeded else None
         now = time.perf_counter()
         self._append(seq, first_token, first_logprobs, None, now)
         self.scheduler.add_prefilled(seq)
-        forked = self._fork(seq, [(t, lp, _generator(g) if seeded else None) for t, lp, g in choices], None)
+        forked = self._fork(seq, [(t, lp, generator_at(g) if seeded else None) for t, lp, g in choices], None)
         for q in [seq, *forked]:
             self._check_stop(q, q.token_ids[-1])
             if q.finish_reason is not None:
@@ -404,14 +389,6 @@ class LLMEngine:
         n = len(self.runner.vision_cache)
         self.runner.vision_cache.clear()
         return n
-
-
-def _generator(state: torch.Tensor | None) -> torch.Generator:
-    """A generator at ``state`` (a fresh one without)."""
-    g = torch.Generator()
-    if state is not None:
-        g.set_state(state)
-    return g
 
 
 def _parse_device(name: str) -> torch.device:

@@ -47,6 +47,14 @@ class SampleResult:
     logprobs: list[TokenLogprobs | None]  # per row: set where the row's params ask for logprobs
 
 
+def generator_at(state: torch.Tensor | None) -> torch.Generator:
+    """A CPU generator at ``state`` (``torch.Generator.get_state``'s tensor; a fresh generator without one)."""
+    g = torch.Generator()
+    if state is not None:
+        g.set_state(state)
+    return g
+
+
 def suppress_stop_tokens(logits: torch.Tensor, rows: list[int], banned: list[list[int]]) -> None:
     """In place: forbid EOS/stop tokens on rows that have not reached ``min_tokens`` yet."""
     for r, ids in zip(rows, banned, strict=True):

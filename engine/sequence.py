@@ -162,6 +162,26 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    def sample_generators(self, k: int) -> list[torch.Generator | None]:
+        """The generators of this row's ``k`` samples: its own, or (first token of n > 1) each choice's."""
+        if k == 1:
+            return [self.generator]
+        return list(self.choice_generators) if self.choice_generators is not None else [None] * k
+
+    def new_choice(self, seq_id: int, generator: torch.Generator | None) -> Sequence:
+        """The next choice of this (choice 0, first token appended) request: the same prompt and params, no blocks,
+        no output yet; joined to :attr:`group`."""
+        n = self.num_prompt_tokens
+        child = Sequence(seq_id=seq_id, request_id=self.request_id, token_ids=self.token_ids[:n], num_prompt_tokens=n,
+                         params=self.params, block_size=self.block_size, prompt=self.prompt, mm=self.mm,
+                         metrics=RequestMetrics(self.metrics.arrival_time, self.metrics.first_scheduled_time),
+                         logits=[] if self.logits is not None else None,
+                         logprobs=[] if self.logprobs is not None else None, choice=len(self.group),
+                         group=self.group, generator=generator, kv_lossy=self.kv_lossy, kv_dropped=self.kv_dropped,
+                         _block_hashes=self._block_hashes[: n // self.block_size])
+        self.group.append(child)
+        return child
+
     def block_hash(self, i: int) -> bytes:
         """Hash of full block ``i`` (requires ``(i + 1) * block_size <= num_tokens``), computed once."""
         while len(self._block_hashes) <= i:
