@@ -2,7 +2,8 @@
 the front-end long-polls :meth:`DecodeActor.poll`, which returns every token produced since the last poll, for all
 requests, in one message (never one call per token per request). A token event is ``{"request_id", "index"
 (the choice), "token_ids" (new), "finished" (every choice of the request), "choice_finished", "finish_reason" (the
-choice's), "logprobs" (when asked: one wire entry per new token, ``engine.outputs.TokenLogprobs.to_wire``)}``.
+choice's), "logprobs" (when asked: one wire entry per new token, ``engine.outputs.TokenLogprobs.to_wire``), "prompt_logprobs"
+(when asked, on choice 0's first event: one entry per prompt token, None for the first)}``.
 
 Methods take and return msgpack ``bytes`` (:mod:`node_common.messages`).
 
@@ -216,6 +217,8 @@ class DecodeActor(WorkerActorBase):
                 if c.logprobs is not None:
                     # the engine's list, which a later step of the same report may have grown: cut at the tokens
                     ev["logprobs"] = [lp.to_wire() for lp in c.logprobs[start:len(c.token_ids)]]
+                if c.index == 0 and start == 0 and out.prompt_logprobs is not None:
+                    ev["prompt_logprobs"] = [None if x is None else x.to_wire() for x in out.prompt_logprobs]
                 if c.index == 0 and rid in report.routing_hints:
                     ev["expert_hist"] = report.routing_hints[rid]
                 if c.index == 0 and rid in report.transfers:

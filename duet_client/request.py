@@ -54,11 +54,13 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
                   stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] = (), min_tokens: int = 0,
                   ignore_eos: bool = False, raw_prompt: bool = False, model: str = "", request_id: str = "",
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
-                  repetition_penalty: float | None = None, logprobs: int | None = None, n: int = 1
+                  repetition_penalty: float | None = None, logprobs: int | None = None,
+                  prompt_logprobs: int | None = None, n: int = 1
                   ) -> pb.GenerateRequest:
     """The request for ``prompt`` (text, or token ids with image placeholders expanded) or chat ``messages``
     (``[{"role": ..., "content": ...}]``, each ``<image>`` in a content marks where the next image goes).
-    ``logprobs``: None for none, k for each token's logprob and the k most likely tokens'; ``n``: choices."""
+    ``logprobs``: None for none, k for each token's logprob and the k most likely tokens'; ``prompt_logprobs``: the
+    same for the prompt's tokens after the first; ``n``: choices."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt or messages")
     sampling = pb.SamplingParams(min_tokens=min_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
@@ -66,7 +68,7 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                         ("max_tokens", max_tokens), ("seed", seed), ("presence_penalty", presence_penalty),
                         ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
-                        ("logprobs", logprobs)):
+                        ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(sampling, name, value)
     req = pb.GenerateRequest(api_version=API_VERSION, request_id=request_id, model=model, sampling=sampling,

@@ -65,6 +65,7 @@ class Completion:
     usage: Usage = field(default_factory=Usage)
     timeline: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # choice 0's, when asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens after the first, when asked
     choices: list[Choice] = field(default_factory=list)  # every choice (text, token_ids, ... above: choice 0's)
 
 
@@ -88,8 +89,9 @@ class CompletionBuilder:
         if resp.WhichOneof("kind") == "delta":
             d = resp.delta
             ids, text = list(d.token_ids), d.text
-            lps = [TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-                   for lp in d.logprobs] or None
+            lps = _logprobs(d.logprobs)
+            if d.prompt_logprobs:
+                c.prompt_logprobs = _logprobs(d.prompt_logprobs)
             choice = self._choices.setdefault(d.index, Choice(d.index))
             choice.token_ids.extend(ids)
             choice.text += text
@@ -111,6 +113,10 @@ class CompletionBuilder:
         c.usage = Usage(f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.total_tokens)
         c.timeline = timeline_to_dict(f.timeline)
         return None
+
+
+def _logprobs(msgs) -> list[TokenLogprob] | None:
+    return [TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in msgs] or None
 
 
 def message_to_dict(m) -> dict:

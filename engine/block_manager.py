@@ -54,8 +54,8 @@ class BlockManager:
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of ``seq`` (at least one token is always left to compute)."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         hits: list[int] = []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for i in range(max_blocks):

@@ -26,7 +26,14 @@ from engine.model import LlavaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from engine.penalties import apply_penalties
-from engine.sampler import LogitsProcessor, apply_logits_processors, generator_at, sample, suppress_stop_tokens
+from engine.sampler import (
+    LogitsProcessor,
+    apply_logits_processors,
+    generator_at,
+    prompt_token_logprobs,
+    sample,
+    suppress_stop_tokens,
+)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -195,6 +202,8 @@ class LLMEngine:
         for s in sched.prefills + sched.decodes:
             s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
         logits, sampling = self.runner.execute(sched, self.kv_exporter)
+        for seq, start, chunk in self.runner.prompt_logits:
+            self._note_prompt_logprobs(seq, start, chunk)
         seqs = [s.seq for s in sampling]
         rows = [r for r, q in enumerate(seqs) if q.num_output_tokens < q.params.min_tokens]
         with torch.inference_mode():  # the runner's logits are inference tensors: edit them in place only in here
@@ -227,6 +236,15 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
             outputs.extend(self.make_output(q) for q in [seq, *forked])
         return outputs
+
+    @staticmethod
+    def _note_prompt_logprobs(seq: Sequence, start: int, chunk: torch.Tensor) -> None:
+        """Row j of ``chunk`` (prompt position ``start + j``) gives prompt token ``start + j + 1``'s logprobs."""
+        if start == 0 or seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]  # the first prompt token has no position before it
+        nxt = seq.token_ids[start + 1: min(start + chunk.shape[0] + 1, seq.num_prompt_tokens)]
+        if nxt:
+            seq.prompt_logprobs.extend(prompt_token_logprobs(chunk, nxt, seq.params.prompt_logprobs or 0))
 
     def _append(self, seq: Sequence, tok: int, lp: TokenLogprobs | None, row: torch.Tensor | None,
                 now: float) -> None:
@@ -296,8 +314,9 @@ class LLMEngine:
         """``seq``'s choice so far; once the request is finished, every choice (by index)."""
         finished = seq.group[0].group_finished
         outs = [self._completion(q) for q in (seq.group if finished else [seq])]
+        head = seq.group[0]
         return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], outs, finished,
-                             seq.group[0].metrics, seq.group[0].num_cached_tokens)
+                             head.metrics, head.num_cached_tokens, head.prompt_logprobs)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         done = seq.finish_reason is not None
@@ -335,8 +354,8 @@ class LLMEngine:
 
     def commit_prefilled(self, request_id: str, first_token: int, generator_state: torch.Tensor | None = None,
                          *, lossy: bool = False, first_logprobs: TokenLogprobs | None = None,
-                         choices: Seq[tuple[int, TokenLogprobs | None, torch.Tensor | None]] = ()
-                         ) -> list[RequestOutput]:
+                         choices: Seq[tuple[int, TokenLogprobs | None, torch.Tensor | None]] = (),
+                         prompt_logprobs: list[TokenLogprobs | None] | None = None) -> list[RequestOutput]:
         """All layers arrived and verified: the request joins the running batch with its first token (sampled by
         the prefill worker, with its logprobs when asked). ``choices``: an ``n > 1`` request's other first tokens
         ``(token, logprobs, generator state)`` for choices 1..n-1, forked here onto the prompt's blocks
@@ -350,6 +369,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request {request_id}: {len(choices) + 1} first tokens for n={seq.params.n}")
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.kv_lossy = lossy
+        seq.prompt_logprobs = prompt_logprobs
         self.block_manager.register_computed(seq)
         seeded = seq.params.seed is not None
         seq.generator = generator_at(generator_state) if seeded else None

@@ -48,6 +48,9 @@ class ModelRunner:
         self.vision_cache_size = vision_cache_size
         self.query_window = 0  # > 0: keep the last queries of completing prompts per layer (KV importance scores)
         self.captured_queries: dict[int, torch.Tensor] = {}  # seq_id -> this layer's window, during a step
+        # after execute: (sequence, first prompt position, float32 logits [chunk, vocab]) of the prompt chunks whose
+        # sequences asked for prompt logprobs
+        self.prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -132,6 +135,7 @@ class ModelRunner:
         mm_rows: list[torch.Tensor] = []
         ds_rows: list[torch.Tensor] = []  # DeepStack features of the same rows, [levels, rows, hidden]
         logit_rows: list[int] = []
+        self._prompt_rows: list[tuple[Sequence, int, int, int]] = []  # (seq, first row, first position, rows)
         dev = self.device
         for s in sched.prefills:
             seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
@@ -152,6 +156,8 @@ class ModelRunner:
                         ds_rows.append(seq.mm.deepstack[:, lo:hi])
             if s.samples:
                 logit_rows.append(start + n - 1)
+            if seq.params.prompt_logprobs is not None and c < seq.num_prompt_tokens:
+                self._prompt_rows.append((seq, start, c, min(n, seq.num_prompt_tokens - c)))
         num_prefill = len(ids)
         decode = None
         order = list(sched.prefills)
@@ -226,6 +232,8 @@ class ModelRunner:
         hidden = self.model(input_ids, self.rope.tables(pos, self.dtype), meta, self.kv_layers(), mm)
         if self.track_routing:
             self._accumulate_routing(sched)
+        self.prompt_logits = [(seq, c, self.model.text.logits(hidden[start:start + n]))
+                              for seq, start, c, n in self._prompt_rows]
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.text.logits(hidden.index_select(0, rows)), sampling
 

@@ -66,6 +66,7 @@ class RequestOutput:
     finished: bool  # every choice finished
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first), when asked
 
     def tpot_s(self) -> float | None:
         m, n = self.metrics, len(self.outputs[0].token_ids)

@@ -99,6 +99,19 @@ def token_logprobs(processed: torch.Tensor, token: int, k: int) -> TokenLogprobs
     return TokenLogprobs(int(token), float(lp[token]), top)
 
 
+def prompt_token_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """Logprobs of ``next_ids[j]`` under row ``j`` of ``logits`` ``[n, V]`` (the model's own distribution: prompt
+    positions sample nothing), with each row's ``k`` most likely tokens; one batched pass."""
+    lp = torch.log_softmax(logits[: len(next_ids)].float(), dim=-1)
+    ids = torch.tensor(next_ids, dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    tops = [[] for _ in next_ids]
+    if k:
+        vals, top_ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        tops = [list(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), vals.tolist(), strict=True)]
+    return [TokenLogprobs(t, x, top) for t, x, top in zip(next_ids, chosen, tops, strict=True)]
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
            ) -> SampleResult:
     """logits [S, V] float32 -> one token id per row (and its logprobs where asked)."""

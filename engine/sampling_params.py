@@ -29,7 +29,9 @@ class SamplingParams:
     ``logprobs``: None, or how many most likely alternatives to return beside each sampled token's log-probability
     (0 = the sampled token's only). Log-probabilities are those of the distribution the token was drawn from
     (*processed*: after penalties, a logits processor's mask, temperature and top-k / top-p; greedy rows skip
-    temperature), see :mod:`engine.sampler`. ``n``: independent choices decoded from one prefill of the prompt.
+    temperature), see :mod:`engine.sampler`. ``prompt_logprobs``: the same for each prompt token after the first,
+    under the model's own distribution at the position before it (nothing was sampled there: raw ``log_softmax``);
+    such a prompt is computed whole (no prefix-cache hit). ``n``: independent choices decoded from one prefill of the prompt.
     ``return_logits`` (a Duet extension) returns, per token, the float32 logits after penalties and masks and
     before temperature and top-k / top-p.
     """
@@ -47,6 +49,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -70,6 +73,8 @@ class SamplingParams:
             raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]

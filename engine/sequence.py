@@ -120,6 +120,7 @@ class Sequence:
     kv_dropped: dict[int, torch.Tensor] | None = None  # layer -> prompt positions dropped on the wire (decode side)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
     logprobs: list[TokenLogprobs] | None = None  # per output token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first), when asked
     penalty: PenaltyState | None = None  # penalties' token counts (engine.penalties), made on first use
     logits_processor: Any = None  # engine.sampler.LogitsProcessor of this sequence, or None
     # n > 1: this sequence is choice ``choice`` of its request; ``group`` (one list shared by every choice, choice 0

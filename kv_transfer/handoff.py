@@ -14,11 +14,12 @@ commits the request. Fields:
 * ``compute_done_s``: wall time the last layer's KV was computed (transfer statistics);
 * ``first_logprobs``: the first token's logprobs when the request asked for them, in the engine's wire form
   ``[token_id, logprob, [[id, logprob], ...]]`` (carried as it is: this layer never interprets it);
+* ``prompt_logprobs``: when asked, one entry per prompt token (``None`` for the first), each in that wire form;
 * ``choices``: an ``n > 1`` request's other first tokens, one map per choice 1..n-1: ``{"token", "generator_state"
   (optional), "logprobs" (optional)}``; the decode side forks them onto the prompt's blocks.
 
 Versions (``"v"``): 1 had no version field and no ``mrope_delta`` (parsed as delta 0, which an image prompt of an
-M-RoPE model then fails against); 2 adds both; 3 adds ``first_logprobs`` and ``choices`` (absent in 1 and 2). Any
+M-RoPE model then fails against); 2 adds both; 3 adds ``first_logprobs``, ``prompt_logprobs`` and ``choices`` (absent in 1 and 2). Any
 other version is a :class:`~kv_transfer.base.ProtocolError`.
 """
 
@@ -48,6 +49,7 @@ class Handoff:
     generator_state: bytes | None = None
     compute_done_s: float | None = None
     first_logprobs: list | None = None
+    prompt_logprobs: list | None = None
     choices: list[dict[str, Any]] = field(default_factory=list)
     version: int = HANDOFF_VERSION  # of the message it was parsed from
 
@@ -63,6 +65,8 @@ class Handoff:
             meta["compute_done_s"] = float(self.compute_done_s)
         if self.first_logprobs is not None:
             meta["first_logprobs"] = self.first_logprobs
+        if self.prompt_logprobs is not None:
+            meta["prompt_logprobs"] = self.prompt_logprobs
         if self.choices:
             meta["choices"] = self.choices
         return meta
@@ -91,11 +95,13 @@ class Handoff:
                 if c.get("generator_state") is not None and not isinstance(c["generator_state"], bytes):
                     raise TypeError("a choice's generator_state must be bytes")
             first_lp = meta.get("first_logprobs")
-            if first_lp is not None and not isinstance(first_lp, list):
-                raise TypeError("first_logprobs must be a list")
+            prompt_lp = meta.get("prompt_logprobs")
+            for name, v in (("first_logprobs", first_lp), ("prompt_logprobs", prompt_lp)):
+                if v is not None and not isinstance(v, list):
+                    raise TypeError(f"{name} must be a list")
             return cls(first_token=int(meta["first_token"]), mrope_delta=delta, expert_hist=meta.get("expert_hist"),
                        generator_state=state, compute_done_s=meta.get("compute_done_s"), first_logprobs=first_lp,
-                       choices=choices, version=version)
+                       prompt_logprobs=prompt_lp, choices=choices, version=version)
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"malformed hand-off: {e!r}") from e
 

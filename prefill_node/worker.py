@@ -179,7 +179,9 @@ class PrefillWorker:
                        expert_hist=None if seq.expert_hist is None else seq.expert_hist.tolist(),
                        generator_state=None if seq.generator is None else generator_to_state(seq.generator),
                        compute_done_s=compute_done_s,
-                       first_logprobs=seq.logprobs[0].to_wire() if seq.logprobs else None, choices=choices)
+                       first_logprobs=seq.logprobs[0].to_wire() if seq.logprobs else None, choices=choices,
+                       prompt_logprobs=None if seq.prompt_logprobs is None else
+                       [None if x is None else x.to_wire() for x in seq.prompt_logprobs])
 
 
 @dataclasses.dataclass

@@ -52,7 +52,8 @@ def request_from_proto(req: pb.GenerateRequest) -> GenerateInput:
         presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
         frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        logprobs=s.logprobs if s.HasField("logprobs") else None, n=s.n or 1)
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None, n=s.n or 1)
     kind = req.WhichOneof("input")
     inp = GenerateInput(images=[ImageInput(i.data, i.mime_type) for i in req.images], raw_prompt=req.raw_prompt,
                         sampling=sampling, model=req.model, request_id=req.request_id)
@@ -84,10 +85,15 @@ def final_to_proto(ev: FinalEvent) -> pb.GenerateFinal:
                             stop=ev.stop, usage=usage, timeline=timeline, choices=choices)
 
 
+def _logprobs_to_proto(lps) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=x) for t, x in lp.top]) for lp in lps if lp is not None]
+
+
 def delta_to_proto(ev: DeltaEvent) -> pb.TokenDelta:
-    lps = [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                           top=[pb.TopLogprob(token_id=t, logprob=x) for t, x in lp.top]) for lp in ev.logprobs or []]
-    return pb.TokenDelta(token_ids=ev.token_ids, text=ev.text, index=ev.index, logprobs=lps)
+    return pb.TokenDelta(token_ids=ev.token_ids, text=ev.text, index=ev.index,
+                         logprobs=_logprobs_to_proto(ev.logprobs or []),
+                         prompt_logprobs=_logprobs_to_proto(ev.prompt_logprobs or []))
 
 
 class DuetServicer(pb_grpc.DuetServicer):

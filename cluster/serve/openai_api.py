@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from cluster.serve.errors import classify
-from cluster.serve.openai_logprobs import chat_logprobs, completion_logprobs
+from cluster.serve.openai_logprobs import chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from cluster.serve.openai_requests import chat_input, completion_from_body
 from cluster.serve.schema import DeltaEvent, FinalEvent, GenerateInput
 from cluster.serve.service import InferenceService
@@ -78,14 +78,21 @@ class _Reply:
         self.echo = ""
         if not chat and body.get("echo"):
             self.echo = inp.prompt if inp.prompt is not None else token_text_of(self.tok, inp.prompt_token_ids or [])
+        self.streaming = bool(body.get("stream"))
         self.offsets: dict[int, int] = {}  # completions: text returned so far per choice (logprobs text_offset)
+        self.prompt: dict | None = None  # echo with logprobs: the prompt tokens' logprobs (completions' shape)
+
+    def note(self, ev: DeltaEvent) -> None:
+        if ev.prompt_logprobs is not None and self.echo and self.want_logprobs:
+            self.prompt = prompt_logprobs(self.tok, ev.prompt_token_ids or [], ev.prompt_logprobs)
 
     def logprobs(self, index: int, lps: list[TokenLogprobs] | None) -> dict | None:
         if not self.want_logprobs:
             return None
         if self.chat:
             return chat_logprobs(self.tok, lps or [])
-        return completion_logprobs(self.tok, lps or [], self.offsets.get(index, len(self.echo)))
+        out = completion_logprobs(self.tok, lps or [], self.offsets.get(index, len(self.echo)))
+        return joined(self.prompt, out) if index not in self.offsets and not self.streaming else out
 
     def advance(self, index: int, text: str) -> None:
         self.offsets[index] = self.offsets.get(index, len(self.echo)) + len(text)
@@ -111,6 +118,7 @@ async def _serve(request: web.Request, inp: GenerateInput, body: dict, chat: boo
         final = None
         async for ev in events:
             if isinstance(ev, DeltaEvent):
+                reply.note(ev)
                 texts[ev.index].append(ev.text)
                 lps[ev.index].extend(ev.logprobs or [])
             else:
@@ -156,8 +164,9 @@ async def _stream(request: web.Request, events: AsyncIterator, meta: dict, kind:
         while True:
             if isinstance(ev, DeltaEvent):
                 i = ev.index
+                reply.note(ev)
                 if i not in started and (chat or reply.echo):
-                    await send(chunk(i, reply.echo if not chat else "", None, role=chat))
+                    await send(chunk(i, reply.echo if not chat else "", None, role=chat, lps=reply.prompt))
                 started.add(i)
                 if ev.text or (reply.want_logprobs and ev.token_ids):
                     lps = reply.logprobs(i, ev.logprobs) if ev.token_ids else None

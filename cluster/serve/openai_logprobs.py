@@ -44,3 +44,20 @@ def completion_logprobs(tok: Any, lps: list[TokenLogprobs], offset: int = 0) -> 
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps],
             "top_logprobs": [{token_text(tok, t): _lp(x) for t, x in lp.top} for lp in lps], "text_offset": offsets}
+
+
+def prompt_logprobs(tok: Any, ids: list[int], lps: list[TokenLogprobs | None]) -> dict:
+    """Completions' ``echo`` with ``logprobs``: the prompt tokens' part (the first token has none: ``None``)."""
+    tokens = [token_text(tok, t) for t in ids]
+    offsets, offset = [], 0
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else _lp(lp.logprob) for lp in lps],
+            "top_logprobs": [None if lp is None else {token_text(tok, t): _lp(x) for t, x in lp.top} for lp in lps],
+            "text_offset": offsets}
+
+
+def joined(first: dict | None, second: dict) -> dict:
+    """Two completions logprobs dicts, one after the other."""
+    return second if first is None else {k: first[k] + second[k] for k in second}

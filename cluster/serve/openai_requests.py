@@ -182,11 +182,12 @@ def chat_from_body(body: dict) -> tuple[list[dict], list[ImageInput]]:
 def completion_from_body(body: dict) -> GenerateInput:
     check_fields(body, COMPLETION_FIELDS)
     logprobs = _completion_logprobs(body)
-    if _field(body, "echo", bool, False) and logprobs is not None:
-        raise InvalidRequestError("'echo' with 'logprobs' (prompt logprobs) is not supported")
+    echo = _field(body, "echo", bool, False)
     prompt = body.get("prompt")
     inp = GenerateInput(raw_prompt=True, sampling=sampling_from_body(body, logprobs),
                         model=_field(body, "model", str, ""))
+    if echo and logprobs is not None:
+        inp.sampling.prompt_logprobs = logprobs  # echo's prompt tokens come back with their logprobs too
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):

@@ -33,6 +33,7 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the k most likely tokens'
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions' echo)
     n: int = 1
 
 
@@ -56,6 +57,9 @@ class DeltaEvent:
     text: str
     index: int = 0  # the choice (n > 1)
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
+    # choice 0's first delta, when asked: the prompt's ids and logprobs (None for the first token)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)

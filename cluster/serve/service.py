@@ -69,6 +69,7 @@ class _Choice:
 
     def __init__(self, tok: Any, prompt_ids: list[int], stops: list[str]) -> None:
         self.detok = IncrementalDetokenizer(tok, prompt_ids) if tok is not None else None
+        self.prompt_ids = prompt_ids
         self.stopper = StopMatcher(stops)
         self.n_out = 0
         self.finish: str | None = None
@@ -85,10 +86,12 @@ class _Choice:
             self.finish = "stop"
         elif done:
             self.finish = item.get("finish_reason") or "stop"
-        lps = item.get("logprobs")
+        lps, plps = item.get("logprobs"), item.get("prompt_logprobs")
         if not (ids or text):
             return None
-        return DeltaEvent(ids, text, index, None if lps is None else [TokenLogprobs.from_wire(w) for w in lps])
+        return DeltaEvent(ids, text, index, None if lps is None else [TokenLogprobs.from_wire(w) for w in lps],
+                          None if plps is None else self.prompt_ids,
+                          None if plps is None else [None if w is None else TokenLogprobs.from_wire(w) for w in plps])
 
 
 class InferenceService:
@@ -269,7 +272,7 @@ class InferenceService:
             max_tokens=max_tokens, min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos, seed=s.seed, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty, logprobs=s.logprobs,
-            n=s.n)
+            prompt_logprobs=s.prompt_logprobs, n=s.n)
 
     # ------------------------------------------------------------------------------------------- the rest
     def abort(self, request_id: str) -> bool:

@@ -18,14 +18,15 @@ from tests.conftest import greedy, make_image, make_request
 CFG = dict(dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128)
 
 
-def _disaggregated(model_dir, prompt, params) -> tuple[dict[int, list[int]], dict[int, list], PrefillWorker,
-                                                        DecodeWorker]:
+def _disaggregated(model_dir, prompt, params) -> tuple[dict[int, list[int]], dict[int, list], list | None,
+                                                        PrefillWorker, DecodeWorker]:
     pm = InprocManager()
     pw = PrefillWorker(model_dir, EngineConfig(**CFG))
     dw = DecodeWorker(model_dir, EngineConfig(**CFG), InprocManager())
     pw.submit("r", prompt, params, pm.sender(dw.allocate("r", prompt, params)))
     tokens: dict[int, list[int]] = {}
     logprobs: dict[int, list] = {}
+    prompt_logprobs = None
     finished = False
     for _ in range(2000):
         if finished and not (pw.has_work() or dw.has_work()):
@@ -36,20 +37,22 @@ def _disaggregated(model_dir, prompt, params) -> tuple[dict[int, list[int]], dic
         for out in report.outputs:
             for c in out.outputs:
                 tokens[c.index], logprobs[c.index] = c.token_ids, c.logprobs
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = out.prompt_logprobs
             finished = finished or out.finished
         if not pw.has_work() and dw.receivers:
             next(iter(dw.receivers.values())).wait(0.05)
-    return tokens, logprobs, pw, dw
+    return tokens, logprobs, prompt_logprobs, pw, dw
 
 
 @pytest.mark.parametrize("params", [
-    greedy(6, n=3, logprobs=2),
+    greedy(6, n=3, logprobs=2, prompt_logprobs=1),
     SamplingParams(temperature=0.9, top_k=40, max_tokens=7, ignore_eos=True, seed=5, n=4, logprobs=1),
 ], ids=["greedy-n3", "seeded-n4"])
 def test_choices_and_logprobs_cross_the_handoff(tiny_model_dir, params):
     prompt = make_request(9, seed=3, images=[make_image(1)])
     want = LLM(tiny_model_dir, **CFG).generate(prompt, params)[0]
-    tokens, logprobs, pw, dw = _disaggregated(tiny_model_dir, prompt, params)
+    tokens, logprobs, prompt_logprobs, pw, dw = _disaggregated(tiny_model_dir, prompt, params)
     assert sorted(tokens) == list(range(params.n))
     for c in want.outputs:
         assert tokens[c.index] == c.token_ids
@@ -58,6 +61,10 @@ def test_choices_and_logprobs_cross_the_handoff(tiny_model_dir, params):
             assert got.token_id == ref.token_id
             assert abs(got.logprob - ref.logprob) <= 1e-4  # decode steps batch differently than the local run
             assert [t for t, _ in got.top] == [t for t, _ in ref.top]
+    if params.prompt_logprobs is not None:  # computed on the prefill worker, carried in the hand-off
+        assert prompt_logprobs[0] is None and want.prompt_logprobs[0] is None
+        assert [x.logprob for x in prompt_logprobs[1:]] == pytest.approx([x.logprob for x in want.prompt_logprobs[1:]],
+                                                                         abs=1e-5)
     assert pw.prompt_tokens == len(prompt["prompt_token_ids"])  # the prompt was prefilled once, for all choices
     for w in (pw, dw):
         w.engine.block_manager.check_no_leaks()

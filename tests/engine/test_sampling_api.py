@@ -68,6 +68,26 @@ def test_greedy_logprobs_match_transformers_scores(llm, tiny_model_dir):
         assert abs(lp.logprob - float(want[lp.token_id])) <= 1e-4  # two implementations: a float tolerance
 
 
+def test_prompt_logprobs_match_transformers_forward(tiny_model_dir):
+    """Chunked prefill (budget 4 tokens a step) and a cached prefix must not matter: every prompt position is
+    computed and scored once."""
+    from tests.conftest import LLM_DEFAULTS
+
+    ids = make_request(10, seed=8)["prompt_token_ids"]
+    ref = load_reference_model(tiny_model_dir)
+    with torch.inference_mode():
+        want = torch.log_softmax(ref(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    llm = LLM(tiny_model_dir, **{**LLM_DEFAULTS, "max_num_batched_tokens": 4})
+    llm.generate({"prompt_token_ids": ids}, greedy(2))  # its blocks are cached now: a hit would skip positions
+    out = llm.generate({"prompt_token_ids": ids}, greedy(2, prompt_logprobs=2))[0]
+    assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    for p, lp in enumerate(out.prompt_logprobs[1:]):
+        assert lp.token_id == ids[p + 1]
+        assert abs(lp.logprob - float(want[p, ids[p + 1]])) <= 1e-4
+        assert [t for t, _ in lp.top] == torch.topk(want[p], 2).indices.tolist()
+    assert_no_leaked_blocks(llm)
+
+
 @pytest.mark.parametrize("prompt_tokens", [9, 11], ids=["partial-last-block", "full-blocks"])
 def test_greedy_choices_share_the_prompt_and_all_equal_n1(llm, prompt_tokens):
     """block_size 4: a 10-token prompt copies its partial last block per choice, a 12-token one shares them all."""

@@ -1,6 +1,6 @@
 """The OpenAI surface beyond plain chat, with the official ``openai`` client against ``duet serve`` (demo model,
 1 prefill + 1 decode over gloo): logprobs (chat and completions, streamed and not) equal to the local engine's
-``log_softmax`` of its logits, ``n`` choices from one prefill, per-choice seeds, penalties, stop lists, echo,
+``log_softmax`` of its logits (prompt logprobs with ``echo`` too), ``n`` choices from one prefill, per-choice seeds, penalties, stop lists, echo,
 ``stream_options.include_usage``, and a 400 naming the field for what is not served. No KV block held after any.
 """
 
@@ -157,6 +157,7 @@ NOT_SERVED = {
     "bad penalty": ({"presence_penalty": 5}, "presence_penalty"),
     "json mode": ({"response_format": {"type": "json_object"}}, "response_format"),
 }
+# (echo with logprobs is served: test_echo_with_logprobs_returns_the_prompts_logprobs)
 
 
 @pytest.mark.parametrize("case", list(NOT_SERVED), ids=list(NOT_SERVED))
@@ -168,20 +169,33 @@ def test_what_is_not_served_is_a_400_naming_the_field(server, case):
     assert field in r.json()["error"]["message"]
 
 
-def test_echo_with_logprobs_is_refused_by_name(oai):
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        oai.completions.create(model="duet-demo", prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
+def test_echo_with_logprobs_returns_the_prompts_logprobs(oai, local, serve_cluster):
+    want = local.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True,
+                                                                      prompt_logprobs=1))[0].prompt_logprobs
+    for stream in (False, True):
+        kwargs = dict(model="duet-demo", prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1,
+                      extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(oai.completions.create(**kwargs, stream=True))
+            lps = [x for c in chunks if c.choices and c.choices[0].logprobs
+                   for x in c.choices[0].logprobs.token_logprobs]
+        else:
+            lps = oai.completions.create(**kwargs).choices[0].logprobs.token_logprobs
+        assert len(lps) == len(PROMPT) + 2 and lps[0] is None
+        assert lps[1:len(PROMPT)] == pytest.approx([w.logprob for w in want[1:]], abs=LOGPROB_TOL)
+    wait_idle(serve_cluster)
 
 
 def test_grpc_sdk_carries_logprobs_and_choices(server, oai, serve_cluster):
     from duet_client import Client
 
     with Client(server.grpc_target) as client:
-        c = client.generate_text(PROMPT, max_tokens=5, temperature=0, logprobs=2, ignore_eos=True)
+        c = client.generate_text(PROMPT, max_tokens=5, temperature=0, logprobs=2, ignore_eos=True, prompt_logprobs=0)
         many = client.generate_text(PROMPT, max_tokens=4, temperature=1.0, seed=7, n=3, ignore_eos=True)
     r = oai.completions.create(model="duet-demo", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
                                extra_body={"ignore_eos": True})
     assert [lp.token_id for lp in c.logprobs] == c.token_ids
+    assert [lp.token_id for lp in c.prompt_logprobs] == PROMPT[1:]
     assert [lp.logprob for lp in c.logprobs] == pytest.approx(r.choices[0].logprobs.token_logprobs, abs=1e-6)
     assert all(len(lp.top) == 2 and lp.top[0][1] == pytest.approx(lp.logprob) for lp in c.logprobs)
     assert [ch.index for ch in many.choices] == [0, 1, 2]
