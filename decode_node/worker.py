@@ -225,6 +225,7 @@ class DecodeWorker:
     def step(self) -> StepReport:
         report = StepReport()
         self.poll_transfers(report)
+        self._fail_unrecomputable(report)  # an n > 1 commit may drop an image prompt it had no block to fork
         if self.engine.has_unfinished_requests():
             t0 = time.perf_counter()
             report.outputs.extend(self.engine.step())
@@ -265,6 +266,8 @@ class DecodeWorker:
     def _fail_unrecomputable(self, report: StepReport) -> None:
         """Fail the image prompts the engine dropped on preemption (see the module docstring)."""
         dropped, self.engine.cannot_recompute = self.engine.cannot_recompute, []
+        if dropped:
+            report.outputs = [o for o in report.outputs if o.request_id not in dropped]
         for rid in dropped:
             e = PromptRecomputeUnavailable(f"request {rid} was preempted on the decode worker, which holds no pixels "
                                            "to recompute its image prompt")

@@ -229,7 +229,8 @@ class LLMEngine:
                 seq.pending_choices = choices
             forked = self._fork(seq, choices, row) if choices and self.fork_choices else []
             for q in [seq, *forked]:
-                self._check_stop(q, q.token_ids[-1])
+                if q.finish_reason is None:
+                    self._check_stop(q, q.token_ids[-1])
                 if q.finish_reason is not None:
                     q.metrics.finished_time = now
             if seq.group[0].group_finished:
@@ -275,9 +276,11 @@ class LLMEngine:
                 if copy is not None:
                     self.runner.copy_block(*copy)
                 self.scheduler.add_prefilled(child)
-            else:
+            elif child.mm is None or child.mm.can_encode:
                 self.scheduler.add(child)
             children.append(child)
+        if any(not q.block_table and q not in self.scheduler.waiting for q in children):
+            self._drop_unrecomputable(parent)  # no block for a choice whose image prompt cannot be recomputed here
         return children
 
     def _drop_unrecomputable(self, seq: Sequence) -> None:
@@ -333,7 +336,9 @@ class LLMEngine:
         ``prompt`` may be a :class:`ProcessedPrompt` (see :meth:`add_request`), with or without pixels.
         """
         seq = self._new_sequence(request_id, prompt, params or SamplingParams())
-        if not self.block_manager.can_allocate(seq, [], seq.num_tokens):
+        # n > 1: room for each other choice's copy of the partial last block too, so the fork rarely runs short
+        extra = (seq.params.n - 1) * self.config.block_size if seq.num_tokens % self.config.block_size else 0
+        if not self.block_manager.can_allocate(seq, [], seq.num_tokens + extra):
             raise OutOfBlocksError(f"{seq.num_tokens}-token prompt does not fit the free KV blocks now")
         self.block_manager.append_slots(seq, seq.num_tokens)
         seq.status = SequenceStatus.RECEIVING
@@ -378,7 +383,8 @@ class LLMEngine:
         self.scheduler.add_prefilled(seq)
         forked = self._fork(seq, [(t, lp, generator_at(g) if seeded else None) for t, lp, g in choices], None)
         for q in [seq, *forked]:
-            self._check_stop(q, q.token_ids[-1])
+            if q.finish_reason is None:
+                self._check_stop(q, q.token_ids[-1])
             if q.finish_reason is not None:
                 q.metrics.finished_time = now
         if seq.group_finished:

@@ -100,6 +100,17 @@ def test_greedy_choices_share_the_prompt_and_all_equal_n1(llm, prompt_tokens):
     assert_no_leaked_blocks(llm)
 
 
+def test_choices_without_a_free_block_recompute_and_still_agree(tiny_model_dir):
+    """A pool of 4 blocks: the 10-token prompt takes 3, one choice gets the one free block for its copy, the other
+    waits, recomputes (preempting as needed) and still gives the greedy answer."""
+    tight = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=4, block_size=4, max_num_seqs=4, max_model_len=16)
+    prompt = make_request(9, seed=4)
+    one = tight.generate(prompt, greedy(4))[0].outputs[0].token_ids
+    out = tight.generate(prompt, greedy(4, n=3))[0]
+    assert [c.token_ids for c in out.outputs] == [one] * 3
+    assert_no_leaked_blocks(tight)
+
+
 def test_seeded_choices_are_deterministic_and_distinct(llm):
     prompt = make_request(9, seed=5)
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=11, n=4)
