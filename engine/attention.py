@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.state_cache import StateStep
+
 
 @dataclass
 class PrefillSpan:
@@ -54,6 +56,7 @@ class AttentionMetadata:
     on_layer: Callable[[int], None] | None = None  # called after each decoder layer (KV export for disaggregation)
     query_window: int = 0  # how many of a capturing span's last queries to keep
     captured: dict[int, torch.Tensor] | None = None  # seq_id -> [<=query_window, H, D] queries of the current layer
+    state: StateStep | None = None  # hybrid models: the state slot of each prefill span and decode row
 
 
 def causal_mask_with_prefix(length: int, context_len: int, device: torch.device) -> torch.Tensor:

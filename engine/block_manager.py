@@ -13,6 +13,10 @@ An ``n > 1`` request's choices share its prompt's full blocks (:meth:`fork`: one
 copies the partial last block, the first one they write differently (copy-on-write, done when the choice is made,
 since every choice writes it in its very next step).
 Check-then-act: the scheduler asks :meth:`can_allocate` before :meth:`allocate_prefix` / :meth:`append_slots`.
+
+Hybrid models (GDN layers) also need a per-sequence state slot (:class:`engine.state_cache.StateSlots`, given with
+``num_state_slots``): :meth:`can_allocate` and :meth:`append_slots` grant a sequence's first blocks only together
+with a slot, and :meth:`free` releases both, so one admission rule covers both kinds of cache.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
+from engine.state_cache import StateSlots
 
 
 @dataclass
@@ -31,8 +36,10 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0) -> None:
         assert num_blocks > 0 and block_size > 0
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -69,7 +76,11 @@ class BlockManager:
         """Whether ``seq`` (no blocks yet) can take ``hits`` and blocks for ``num_new_tokens`` more tokens."""
         hits_unreferenced = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         total = -(-(len(hits) * self.block_size + num_new_tokens) // self.block_size)
-        return self.num_free_blocks - hits_unreferenced >= total - len(hits)
+        return self.num_free_blocks - hits_unreferenced >= total - len(hits) and self._has_state_slot(seq)
+
+    def _has_state_slot(self, seq: Sequence) -> bool:
+        """Whether ``seq`` holds or can take a state slot (always, for models without state)."""
+        return self.state_slots is None or seq.state_slot is not None or self.state_slots.num_free > 0
 
     def allocate_prefix(self, seq: Sequence, hits: list[int]) -> None:
         assert not seq.block_table and seq.num_computed_tokens == 0
@@ -86,8 +97,10 @@ class BlockManager:
         """Grow ``seq``'s block table to hold ``num_new_tokens`` more tokens; False (nothing changed) if the pool
         is short."""
         need = self.blocks_needed(seq, num_new_tokens)
-        if need > self.num_free_blocks:
+        if need > self.num_free_blocks or not self._has_state_slot(seq):
             return False
+        if self.state_slots is not None and seq.state_slot is None:
+            seq.state_slot = self.state_slots.take()
         for _ in range(need):
             self._take_one(seq)
         return True
@@ -153,6 +166,10 @@ class BlockManager:
                 if block.hash is None:
                     self.unreferenced.move_to_end(bid, last=False)
         seq.block_table = []
+        if seq.state_slot is not None:
+            assert self.state_slots is not None
+            self.state_slots.release(seq.state_slot)
+            seq.state_slot = None
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
@@ -161,3 +178,5 @@ class BlockManager:
         held = [b.block_id for b in self.blocks if b.ref_count != 0]
         assert not held, f"{len(held)} KV block(s) still referenced: {held[:8]}"
         assert len(self.unreferenced) == len(self.blocks), "unreferenced queue out of sync"
+        if self.state_slots is not None:
+            self.state_slots.check_no_leaks()

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import CheckpointError, UnsupportedModelError
+from engine.qwen35_config import QWEN35_MODELS, GdnConfig, base_text_dict, gdn_config, layer_types
 from engine.qwen_vision import QwenVisionConfig
 from engine.scheduler import POLICIES
 
@@ -74,16 +75,53 @@ class TextConfig:
     moe_layers: tuple[bool, ...]
     sliding_window: int | None
     mrope_section: tuple[int, int, int] | None = None  # interleaved M-RoPE (Qwen3-VL); None: 1-D RoPE
+    # Qwen3.5 hybrids (engine.qwen35_config): per-layer "linear_attention" / "full_attention" (empty: all full)
+    layer_types: tuple[str, ...] = ()
+    gdn: GdnConfig | None = None
+    shared_expert_intermediate_size: int = 0  # > 0: every MoE block adds a gated shared expert
+    attn_output_gate: bool = False  # q_proj also yields a sigmoid gate on the attention output
+    rotary_dim: int = 0  # channels of each head that RoPE rotates (partial rotary); 0: head_dim
 
     @property
     def is_moe(self) -> bool:
         return any(self.moe_layers)
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers are Gated DeltaNet layers: they keep a per-sequence state instead of KV."""
+        return self.gdn is not None
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """Decoder layers with a KV cache (every layer unless the model is hybrid)."""
+        if not self.layer_types:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """Decoder layers with a per-sequence recurrent state (GDN)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token over every KV layer (the paged pool's and the wire's unit)."""
+        return 2 * len(self.kv_layers) * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
+
+    def state_bytes_per_seq(self, dtype: torch.dtype) -> int:
+        """One sequence's GDN state over every state layer (0 for models without them)."""
+        if self.gdn is None:
+            return 0
+        return len(self.state_layers) * self.gdn.state_bytes(torch.finfo(dtype).bits // 8)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything the runtime needs to know about a checkpoint: the LLaVA architecture (``family == "llava"``, a
-    fixed number of visual tokens per image) or a Qwen3-VL family (``"qwen3_vl"``: native-resolution vision, the
+    fixed number of visual tokens per image) or a Qwen3-VL family (``"qwen3_vl"``, Qwen3.5 too: native-resolution vision, the
     visual-token count follows each image's grid, M-RoPE, DeepStack)."""
 
     text: TextConfig
@@ -159,6 +197,8 @@ def parse_text_config(t: dict) -> TextConfig:
     mt = t.get("model_type")
     if mt in {text for text, _ in QWEN_VL_MODELS.values()}:
         return _parse_qwen_vl_text(t, sparse=mt == "qwen3_vl_moe_text")
+    if mt in {text for text, _ in QWEN35_MODELS.values()}:
+        return _parse_qwen35_text(t, sparse=mt == "qwen3_5_moe_text")
     if mt not in SUPPORTED_TEXT_MODELS:
         raise UnsupportedModelError(f"unsupported text model_type {mt!r} (supported: {', '.join(SUPPORTED_TEXT_MODELS)})")
     try:
@@ -218,6 +258,25 @@ def _parse_qwen_vl_text(t: dict, *, sparse: bool) -> TextConfig:
     return dataclasses.replace(cfg, model_type=t["model_type"], mrope_section=section)  # type: ignore[arg-type]
 
 
+def _parse_qwen35_text(t: dict, *, sparse: bool) -> TextConfig:
+    """A Qwen3.5 text config (:mod:`engine.qwen35_config`): hybrid GDN / gated-attention layers, partial M-RoPE."""
+    rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
+    if not rope.get("mrope_interleaved", True):
+        raise UnsupportedModelError("only interleaved M-RoPE (mrope_interleaved: true) is supported")
+    if t.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"Qwen3.5 with hidden_act {t.get('hidden_act')!r} (only silu)")
+    cfg = parse_text_config(base_text_dict(t, sparse=sparse))
+    rotary = int(cfg.head_dim * float(rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))))
+    section = tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10)))
+    if rotary % 2 or not 0 < rotary <= cfg.head_dim or len(section) != 3 or 2 * sum(section) != rotary:
+        raise UnsupportedModelError(f"mrope_section {list(section)} must have 3 entries summing to the rotary "
+                                    f"dim / 2 = {rotary // 2}")
+    shared = int(t.get("shared_expert_intermediate_size", 0) or 0) if sparse else 0
+    return dataclasses.replace(cfg, model_type=t["model_type"], mrope_section=section, qk_norm=True,  # type: ignore[arg-type]
+                               layer_types=layer_types(t, cfg.num_layers), gdn=gdn_config(t),
+                               shared_expert_intermediate_size=shared, attn_output_gate=True, rotary_dim=rotary)
+
+
 def parse_vision_config(v: dict) -> VisionConfig:
     mt = v.get("model_type")
     if mt not in SUPPORTED_VISION_MODELS:
@@ -238,7 +297,7 @@ def parse_vision_config(v: dict) -> VisionConfig:
 def parse_config(raw: dict, generation_config: dict | None = None) -> ModelConfig:
     """Parse a ``config.json`` dict (``model_type`` ``llava``, or a bare supported text model)."""
     mt = raw.get("model_type")
-    if mt in QWEN_VL_MODELS:
+    if mt in QWEN_VL_MODELS or mt in QWEN35_MODELS:
         return _parse_qwen_vl(raw, generation_config or {})
     if mt == "llava":
         text = parse_text_config(raw.get("text_config") or {})
@@ -246,7 +305,8 @@ def parse_config(raw: dict, generation_config: dict | None = None) -> ModelConfi
     elif mt in SUPPORTED_TEXT_MODELS:
         text, vision = parse_text_config(raw), None
     else:
-        raise UnsupportedModelError(f"unsupported model_type {mt!r} (supported: llava, {', '.join(QWEN_VL_MODELS)}, "
+        raise UnsupportedModelError(f"unsupported model_type {mt!r} (supported: llava, "
+                                    f"{', '.join([*QWEN_VL_MODELS, *QWEN35_MODELS])}, "
                                     f"{', '.join(SUPPORTED_TEXT_MODELS)})")
     layers = _as_tuple(raw.get("vision_feature_layer", -2))
     strategy = raw.get("vision_feature_select_strategy", "default")
@@ -275,7 +335,7 @@ def parse_config(raw: dict, generation_config: dict | None = None) -> ModelConfi
 
 def _parse_qwen_vl(raw: dict, gen: dict) -> ModelConfig:
     mt = raw["model_type"]
-    text_type, _ = QWEN_VL_MODELS[mt]
+    text_type, _ = {**QWEN_VL_MODELS, **QWEN35_MODELS}[mt]
     t = dict(raw.get("text_config") or {})
     if t.get("model_type", text_type) != text_type:
         raise UnsupportedModelError(f"{mt} checkpoint with text model_type {t.get('model_type')!r} (expected {text_type})")
@@ -283,7 +343,8 @@ def _parse_qwen_vl(raw: dict, gen: dict) -> ModelConfig:
     # the top-level flag governs the conditional-generation model's lm_head (transformers 5)
     t["tie_word_embeddings"] = raw.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
     text = parse_text_config(t)
-    vision = QwenVisionConfig.from_dict(raw.get("vision_config") or {})
+    # Qwen3.5's tower is Qwen3-VL's without DeepStack
+    vision = QwenVisionConfig.from_dict({"deepstack_visual_indexes": [], **(raw.get("vision_config") or {})})
     if vision.out_hidden_size != text.hidden_size:
         raise CheckpointError(f"vision out_hidden_size {vision.out_hidden_size} != text hidden_size {text.hidden_size}")
     if len(vision.deepstack_visual_indexes) > text.num_layers:
@@ -322,6 +383,9 @@ class EngineConfig:
     # decode staging (engine.decode_mirror) reserved at start for max_num_seqs sequences of this many tokens; None:
     # grown on demand (each growth copies it: ~0.1 s at 16 -> 32 sequences of 2048 tokens, a stall of every decode)
     decode_mirror_tokens: int | None = None
+    # hybrid models (Qwen3.5): sequences that can hold a GDN state slot at once (running, prefilling or receiving a
+    # transfer); None: max_num_seqs. Its memory comes off kv_cache_memory_gb before the KV pool is sized.
+    max_num_state_slots: int | None = None
     scheduling_policy: str = "fcfs"  # admission order: "fcfs" or "shortest" (engine.scheduler)
     scheduling_max_wait_s: float = 10.0  # "shortest": a prompt waiting this long goes first
     seed: int = 0
@@ -335,6 +399,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+        if self.max_num_state_slots is not None and self.max_num_state_slots < 1:
+            raise ValueError("max_num_state_slots must be >= 1 (or None)")
         if self.decode_mirror_tokens is not None and self.decode_mirror_tokens < 1:
             raise ValueError("decode_mirror_tokens must be >= 1 (or None)")
         if self.scheduling_policy not in POLICIES:

@@ -44,16 +44,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KVMemory:
-    """KV bytes held by one engine. ``budget_bytes``: ``kv_cache_memory_gb`` in bytes (None when ``num_kv_blocks``
-    fixed the pool); the mirror's growth past its starting allocation can take ``total_bytes`` over it."""
+    """Cache bytes held by one engine, per kind. ``budget_bytes``: ``kv_cache_memory_gb`` in bytes (None when
+    ``num_kv_blocks`` fixed the pool); the mirror's growth past its starting allocation can take ``total_bytes`` over
+    it. ``state_bytes``: hybrid models' GDN state slots (0 otherwise)."""
 
     pool_bytes: int
     mirror_bytes: int
     budget_bytes: int | None
+    state_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.pool_bytes + self.mirror_bytes
+        return self.pool_bytes + self.mirror_bytes + self.state_bytes
 
 
 class LLMEngine:
@@ -71,9 +73,18 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.image_processor = image_processor_for(self.model_dir, cfg)
         self.eos_token_ids = list(cfg.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
+        # hybrid models: a cached prefix would restore KV without the GDN state, so prefix caching is off for them
+        self.prefix_caching_off_reason = (
+            "hybrid model: a prefix hit would restore the attention layers' KV but not the GDN layers' recurrent "
+            "state" if cfg.text.is_hybrid else None)
+        if self.prefix_caching_off_reason and config.enable_prefix_caching:
+            logger.info("prefix caching off: %s", self.prefix_caching_off_reason)
+        self.num_state_slots = (config.max_num_state_slots or config.max_num_seqs) if cfg.text.is_hybrid else 0
         max_len, num_blocks = self._size_pool()
         self.max_model_len = max_len
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching and not cfg.text.is_hybrid,
+                                          num_state_slots=self.num_state_slots)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    policy=config.scheduling_policy, max_wait_s=config.scheduling_max_wait_s)
@@ -81,7 +92,7 @@ class LLMEngine:
                                   max_model_len=max_len, max_num_seqs=config.max_num_seqs, dtype=self.dtype,
                                   device=self.device, vision_cache_size=config.vision_cache_size,
                                   mirror_tokens=min(config.decode_mirror_tokens, max_len)
-                                  if config.decode_mirror_tokens else None)
+                                  if config.decode_mirror_tokens else None, num_state_slots=self.num_state_slots)
         self.inputs = InputProcessor(cfg, self.tokenizer, self.image_processor, max_len)
         self.requests: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -109,7 +120,8 @@ class LLMEngine:
         if c.max_model_len is not None and c.max_model_len > limit:
             raise CheckpointError(f"max_model_len {c.max_model_len} exceeds the model's limit of {limit} positions")
         max_len = c.max_model_len or min(limit, 4096)
-        per_token = 2 * t.num_layers * t.num_kv_heads * t.head_dim * torch.finfo(self.dtype).bits // 8
+        per_token = t.kv_bytes_per_token(self.dtype)
+        state = self.num_state_slots * t.state_bytes_per_seq(self.dtype)
         per_block = per_token * c.block_size
         blocks_per_seq = -(-max_len // c.block_size)
         self.kv_budget_bytes: int | None = None
@@ -119,19 +131,20 @@ class LLMEngine:
             self.kv_budget_bytes = budget = int(c.kv_cache_memory_gb * 2**30)
             mirror_tokens = min(c.decode_mirror_tokens, max_len) if c.decode_mirror_tokens else None
             mirror = reserved_bytes(c.max_num_seqs, per_token, mirror_tokens)
-            by_memory = max(0, budget - mirror) // per_block
+            by_memory = max(0, budget - mirror - state) // per_block
             num_blocks = max(blocks_per_seq, min(by_memory, blocks_per_seq * c.max_num_seqs))
-            if num_blocks * per_block + mirror > budget:
+            if num_blocks * per_block + mirror + state > budget:
                 logger.warning("kv_cache_memory_gb=%g holds %d KV blocks after the decode mirror's %.1f MiB; "
                                "allocating %d (one %d-token sequence): %.1f MiB over budget", c.kv_cache_memory_gb,
                                by_memory, mirror / 2**20, num_blocks, max_len,
-                               (num_blocks * per_block + mirror - budget) / 2**20)
+                               (num_blocks * per_block + mirror + state - budget) / 2**20)
         return min(max_len, num_blocks * c.block_size), num_blocks
 
     def kv_memory(self) -> KVMemory:
-        """Bytes of KV that attention reads now: the paged pool and the decode mirror (which grows on demand)."""
+        """Cache bytes now: the paged pool, the decode mirror (which grows on demand) and GDN state slots."""
         return KVMemory(pool_bytes=self.runner.pool_nbytes, mirror_bytes=self.runner.mirror.nbytes,
-                        budget_bytes=self.kv_budget_bytes)
+                        budget_bytes=self.kv_budget_bytes,
+                        state_bytes=0 if self.runner.state is None else self.runner.state.nbytes)
 
     # ----------------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,

@@ -9,6 +9,10 @@ Layouts accepted (prefixes are normalised, then tensors fused into the runtime's
   ``language_model.lm_head.*``, ``vision_tower[.vision_model].*``, ``multi_modal_projector.*``; per-expert tensors
   ``experts.N.{gate,up,down}_proj.weight`` (Qwen3-MoE) or ``block_sparse_moe.experts.N.w{1,3,2}.weight`` (Mixtral);
 * a bare text model (``model.*``, ``lm_head.*``);
+* Qwen3.5(-MoE): as Qwen3-VL below, experts one tensor per expert (``mlp.experts.N.{gate,up,down}_proj.weight``,
+  what transformers 5 saves and the released checkpoints hold) or fused as in memory (``[E, 2I, H]`` / ``[E, H, I]``);
+  the shared expert's gate/up are fused like a dense MLP's; GDN tensors (``linear_attn.*``) keep their names;
+  multi-token-prediction heads (``mtp.*``) are ignored;
 * Qwen3-VL(-MoE): ``model.language_model.*``, ``model.visual.*`` (kept under ``vision.`` with transformers' own
   sub-module names), ``lm_head.*``; fused experts ``experts.gate_up_proj`` / ``experts.down_proj`` either as
   transformers 5 saves them (``[E, 2I, H]`` / ``[E, H, I]``) or as the released checkpoints store them, transposed
@@ -107,7 +111,7 @@ def fuse(t: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor
         if all(n in t for n in names):
             target = "qkv" if base.startswith("vision.") else "qkv_proj"
             t[f"{base}.{target}.{kind}"] = _pop_cat(t, names)
-    for key in [k for k in t if k.endswith("mlp.gate_proj.weight")]:
+    for key in [k for k in t if k.endswith(("mlp.gate_proj.weight", "mlp.shared_expert.gate_proj.weight"))]:
         base = key[: -len("gate_proj.weight")]
         t[f"{base}gate_up_proj.weight"] = _pop_cat(t, [f"{base}gate_proj.weight", f"{base}up_proj.weight"])
     layers = sorted({m[1] for k in t if (m := re.match(r"(text\.layers\.\d+\.mlp\.)experts\.\d+\.", k))})

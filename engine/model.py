@@ -13,6 +13,8 @@ from torch import nn
 from engine.attention import AttentionMetadata, LayerKV
 from engine.config import ModelConfig
 from engine.loader import load_weights
+from engine.qwen35_model import HybridTextModel
+from engine.state_cache import LayerState
 from engine.qwen_vision import QwenVisionTower
 from engine.text_model import TextModel
 from engine.vision import VisionEncoder
@@ -28,7 +30,7 @@ class LlavaModel(nn.Module):
         self.vision: nn.Module | None = None
         if cfg.vision is not None:
             self.vision = QwenVisionTower(cfg.vision) if cfg.is_qwen_vl else VisionEncoder(cfg)
-        self.text = TextModel(cfg.text)
+        self.text = HybridTextModel(cfg.text) if cfg.text.is_hybrid else TextModel(cfg.text)
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> LlavaModel:
@@ -39,8 +41,7 @@ class LlavaModel(nn.Module):
             buf.zero_()
         with torch.no_grad():
             load_weights(model, Path(model_dir), cfg.text.num_experts, dtype, cfg.expert_layout_hint)
-            for layer in model.text.layers:
-                layer.self_attn.finalize()
+            model.text.finalize()
         return model.eval().requires_grad_(False)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -57,7 +58,7 @@ class LlavaModel(nn.Module):
         return feats, torch.stack(deepstack) if deepstack else None
 
     def forward(self, input_ids: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                kv_cache: list[LayerKV], mm: MultiModalRows | None = None) -> torch.Tensor:
+                kv_cache: list[LayerKV | LayerState], mm: MultiModalRows | None = None) -> torch.Tensor:
         """input_ids [T] -> hidden [T, H]. ``mm`` = (flat token indices [M], features [M, H], DeepStack [L, M, H])
         spliced over the embeddings of image placeholder tokens; DeepStack level i is added to those rows after
         decoder layer i."""

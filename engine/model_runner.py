@@ -1,8 +1,9 @@
 """Runs one scheduled step through the model: builds the flat batch and attention metadata, encodes pending
 images (with a content-hash cache), runs the decoder, and returns logits for the rows that sample.
 
-Owns the KV pool tensors (per layer ``(k, v)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``) and the
-decode mirror (:mod:`engine.decode_mirror`).
+Owns the KV pool tensors (per KV layer ``(k, v)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``), the
+decode mirror (:mod:`engine.decode_mirror`) and, for hybrid models, the GDN layers' state slots
+(:mod:`engine.state_cache`; a sequence's slot is ``Sequence.state_slot``, given by the block manager).
 """
 
 from __future__ import annotations
@@ -27,22 +28,28 @@ from engine.moe import SparseMoe
 from engine.mrope import MRotaryEmbedding, positions as mrope_positions
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
+from engine.state_cache import LayerState, StateCache, StateStep
 
 
 class ModelRunner:
     def __init__(self, model: LlavaModel, *, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  dtype: torch.dtype, device: torch.device, vision_cache_size: int = 64,
-                 mirror_tokens: int | None = None) -> None:
+                 mirror_tokens: int | None = None, num_state_slots: int = 0) -> None:
         t = model.cfg.text
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
         shape = (num_blocks, block_size, t.num_kv_heads, t.head_dim)
+        self.kv_index = {layer: i for i, layer in enumerate(t.kv_layers)}  # decoder layer -> pool entry
         self.pool = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                     for _ in range(t.num_layers)]
+                     for _ in t.kv_layers]
+        self.state_index = {layer: i for i, layer in enumerate(t.state_layers)}  # decoder layer -> state entry
+        self.state = (StateCache(t.gdn, len(t.state_layers), num_state_slots, dtype, device)
+                      if t.gdn is not None and num_state_slots else None)
         reserve = {} if mirror_tokens is None else {"initial_capacity": mirror_tokens, "initial_slots": max_num_seqs}
-        self.mirror = DecodeKVMirror(t.num_layers, max_num_seqs, t.num_kv_heads, t.head_dim, dtype, device, **reserve)
+        self.mirror = DecodeKVMirror(len(self.pool), max_num_seqs, t.num_kv_heads, t.head_dim, dtype, device,
+                                     **reserve)
         self.rope: RotaryEmbedding | MRotaryEmbedding = (
-            RotaryEmbedding(t.head_dim, t.rope_theta, max_model_len, device) if t.mrope_section is None
-            else MRotaryEmbedding(t.head_dim, t.rope_theta, max_model_len, t.mrope_section, device))
+            RotaryEmbedding(t.rope_dim, t.rope_theta, max_model_len, device) if t.mrope_section is None
+            else MRotaryEmbedding(t.rope_dim, t.rope_theta, max_model_len, t.mrope_section, device))
         self.mrope = t.mrope_section is not None
         self.vision_cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.vision_cache_size = vision_cache_size
@@ -61,9 +68,15 @@ class ModelRunner:
     def pool_nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.pool)
 
-    def kv_layers(self) -> list[LayerKV]:
-        return [LayerKV(k, v, mk, mv, i)
-                for i, ((k, v), mk, mv) in enumerate(zip(self.pool, self.mirror.k, self.mirror.v, strict=True))]
+    def kv_layers(self) -> list[LayerKV | LayerState]:
+        """Each decoder layer's cache: its KV (pool + mirror) or, in a hybrid model's GDN layers, its state."""
+        kv = [LayerKV(k, v, mk, mv, i)
+              for i, ((k, v), mk, mv) in enumerate(zip(self.pool, self.mirror.k, self.mirror.v, strict=True))]
+        if not self.state_index:
+            return kv  # type: ignore[return-value]
+        assert self.state is not None
+        return [kv[self.kv_index[i]] if i in self.kv_index else self.state.layers[self.state_index[i]]
+                for i in range(len(self.model.text.layers))]
 
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s decode staging (call when it finishes, is aborted or preempted). A preempted sequence
@@ -201,6 +214,10 @@ class ModelRunner:
             decode = DecodeBatch(slots_t, lens_t - 1, max_len, dense, mask, layer_masks)
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev), prefills=spans,
                                  num_prefill_tokens=num_prefill, decode=decode, query_window=self.query_window)
+        if self.state is not None:
+            meta.state = StateStep([s.seq.state_slot for s in sched.prefills], torch.tensor(
+                [s.seq.state_slot for s in order[len(sched.prefills):]], dtype=torch.long, device=dev)
+                if sched.decodes else None)
         if self.query_window:
             self.captured_queries = meta.captured = {}
         mm = None
@@ -241,7 +258,7 @@ class ModelRunner:
     def gather_layer(self, seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of ``seq``'s blocks for ``layer``: two ``[num_blocks, block_size, kv_heads, head_dim]`` tensors."""
         table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
-        k, v = self.pool[layer]
+        k, v = self.pool[self.kv_index[layer]]
         return k.index_select(0, table), v.index_select(0, table)
 
     @torch.inference_mode()
@@ -255,7 +272,7 @@ class ModelRunner:
     def write_layer(self, block_ids: list[int], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store received blocks (``[len(block_ids), block_size, kv_heads, head_dim]`` each) into the pool."""
         table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        kp, vp = self.pool[layer]
+        kp, vp = self.pool[self.kv_index[layer]]
         kp.index_copy_(0, table, k.to(device=kp.device, dtype=kp.dtype))
         vp.index_copy_(0, table, v.to(device=vp.device, dtype=vp.dtype))
 

@@ -118,6 +118,7 @@ class Sequence:
     expert_hist: np.ndarray | None = None  # [num_layers, num_experts] routing choices, when the runner tracks them
     kv_lossy: bool = False  # its prompt KV arrived compressed: approximate, never published to the prefix cache
     kv_dropped: dict[int, torch.Tensor] | None = None  # layer -> prompt positions dropped on the wire (decode side)
+    state_slot: int | None = None  # hybrid models: the GDN state slot it holds (engine.state_cache), with its blocks
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
     logprobs: list[TokenLogprobs] | None = None  # per output token, when params.logprobs is set
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first), when asked

@@ -90,6 +90,11 @@ class TextModel(nn.Module):
                 meta.on_layer(i)
         return x
 
+    def finalize(self) -> None:
+        """Precompute derived weights after loading."""
+        for layer in self.layers:
+            layer.self_attn.finalize()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows, returned in float32."""
         return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
