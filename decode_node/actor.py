@@ -135,7 +135,7 @@ class DecodeActor(WorkerActorBase):
             return messages.pack(worker_id=self.worker_id, free_blocks=self.worker.free_blocks,
                                  max_model_len=e.max_model_len, receiving=len(self.worker.receivers),
                                  kv_pool_bytes=kv.pool_bytes, kv_mirror_bytes=kv.mirror_bytes,
-                                 running=len(e.scheduler.running),
+                                 kv_state_bytes=kv.state_bytes, running=len(e.scheduler.running),
                                  step_s=self.worker.step_s, cpu_s=time.process_time(),
                                  experts=experts, expert_tiers=tiers, kv_refused=self.manager.refused(),
                                  kv_endpoint=self.manager.endpoint)

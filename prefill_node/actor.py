@@ -64,6 +64,7 @@ class PrefillActor(WorkerActorBase):
                                  prompt_tokens=self.worker.prompt_tokens, cached_tokens=self.worker.cached_tokens,
                                  free_blocks=e.block_manager.num_free_blocks,
                                  kv_pool_bytes=kv.pool_bytes, kv_mirror_bytes=kv.mirror_bytes,
+                                 kv_state_bytes=kv.state_bytes, prefix_cache_off=e.prefix_caching_off_reason,
                                  kv_refused=self.manager.refused(), cpu_s=time.process_time())  # every thread's: compute, intake, KV sends
 
     def inject_fault(self, kind: str, value: float) -> None:

@@ -127,7 +127,7 @@ class PrefillWorker:
         just registered (the same :meth:`Sequence.block_hash` the front-end computes from the processed prompt)."""
         self.prompt_tokens += seq.num_prompt_tokens
         self.cached_tokens += seq.num_cached_tokens
-        if self.engine.config.enable_prefix_caching:
+        if self.engine.block_manager.enable_prefix_caching:  # off for hybrid models, whatever the config says
             self.registered.extend(seq.block_hash(i) for i in range(seq.num_prompt_tokens // seq.block_size))
             del self.registered[:-REGISTERED_MAX]
 

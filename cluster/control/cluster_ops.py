@@ -23,8 +23,9 @@ class ClusterOps:
     def status(self, timeout_s: float = 5.0) -> list[dict]:
         """One dict per worker: ``worker_id, role, alive`` and the worker's own counters (prefill: ``waiting,
         running, free_blocks``, and ``prompt_tokens`` / ``cached_tokens`` of the prompts it finished; decode:
-        ``free_blocks, receiving, running, total_blocks``; both: ``kv_pool_bytes`` and ``kv_mirror_bytes``, the KV
-        memory attention reads, see :meth:`kv_memory_summary`). Prefill rows also carry the front-end's view:
+        ``free_blocks, receiving, running, total_blocks``; both: ``kv_pool_bytes``, ``kv_mirror_bytes`` and
+        ``kv_state_bytes`` (hybrid models' GDN state slots), see :meth:`kv_memory_summary`; prefill:
+        ``prefix_cache_off``, why it keeps no prefix cache, or None). Prefill rows also carry the front-end's view:
         ``outstanding_tokens`` (its load signal, :mod:`cluster.control.router`), ``placed_prompt_tokens`` and
         ``predicted_cached_tokens``. A worker that does not answer within ``timeout_s`` is reported with
         ``alive=False``."""
@@ -60,7 +61,9 @@ class ClusterOps:
         prompt, cached = sum(r.get("prompt_tokens", 0) for r in pre), sum(r.get("cached_tokens", 0) for r in pre)
         placed = sum(r.get("placed_prompt_tokens", 0) for r in pre)
         predicted = sum(r.get("predicted_cached_tokens", 0) for r in pre)
+        off = next((r["prefix_cache_off"] for r in pre if r.get("prefix_cache_off")), None)
         return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else None,
+                "off_reason": off,  # why the workers keep no prefix cache (hybrid models), or None
                 "placed_prompt_tokens": placed, "predicted_cached_tokens": predicted,
                 "predicted_hit_rate": predicted / placed if placed else None}
 
@@ -71,7 +74,8 @@ class ClusterOps:
         reads."""
         alive = [r for r in rows if r["alive"]]
         pool, mirror = sum(r.get("kv_pool_bytes", 0) for r in alive), sum(r.get("kv_mirror_bytes", 0) for r in alive)
-        return {"pool_bytes": pool, "mirror_bytes": mirror, "total_bytes": pool + mirror}
+        state = sum(r.get("kv_state_bytes", 0) for r in alive)  # hybrid models' GDN state slots
+        return {"pool_bytes": pool, "mirror_bytes": mirror, "state_bytes": state, "total_bytes": pool + mirror + state}
 
     def expert_summary(self) -> dict | None:
         """The expert-parallel groups' ``{"placement_changes", "balancedness", "prewarm_hits", "prewarm_misses"}``
