@@ -32,6 +32,7 @@ from kv_transfer import (
     needs_scores,
     resolve_policy,
 )
+from kv_transfer import compression_int
 from kv_transfer.codec import decode_layer, encode_layer
 from kv_transfer.compression import AGGRESSIVE, DEFAULT, unpack_bits
 from tests.kv_transfer.kvutil import make_manager, wait_until
@@ -500,11 +501,13 @@ def test_vectorised_int_kernel_matches_a_per_group_reference(bits: int, group: i
     g = torch.Generator().manual_seed(bits * group)
     n, kvh, c = 37, 2, 24
     x = (torch.randn(n, kvh, c, generator=g) + torch.randn(kvh, c, generator=g) * 3) * magnitude
-    blob, scale_dtype = compression._encode_int(x, bits, group, keys)
+    stats = compression_int.int_params(x.reshape(n, -1), bits, group, keys)
+    scale_dtype = stats.dtype_name
     assert scale_dtype == ("float16" if magnitude == 1.0 else "float32")
-    enc = compression._Encoding("int", bits, group, scale_dtype, keys)
-    assert blob.numel() == enc.nbytes(n, kvh, c, 4)
-    ref = reference_int_decode(blob, n, kvh * c, bits, group, keys, compression.SCALE_DTYPES[scale_dtype])
+    enc = compression_int.Encoding("int", bits, group, scale_dtype, keys)
+    blob = torch.empty(enc.nbytes(n, kvh, c, 4), dtype=torch.uint8)
+    compression_int.encode_int_into(x.reshape(n, -1), stats, bits, group, keys, blob)
+    ref = reference_int_decode(blob, n, kvh * c, bits, group, keys, compression_int.SCALE_DTYPES[scale_dtype])
     got = enc.decode(blob, n, kvh, c, torch.float32).reshape(n, -1)
     assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6 * magnitude)
     bound = int_bound(x, bits, group, keys).reshape(n, -1)
