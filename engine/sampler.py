@@ -56,8 +56,11 @@ def generator_at(state: torch.Tensor | None) -> torch.Generator:
 
 
 def suppress_stop_tokens(logits: torch.Tensor, rows: list[int], banned: list[list[int]]) -> None:
-    """In place: forbid EOS/stop tokens on rows that have not reached ``min_tokens`` yet."""
+    """In place: forbid EOS/stop tokens on rows that have not reached ``min_tokens`` yet (a stop id outside the
+    vocabulary can never be drawn: nothing to forbid)."""
+    vocab = logits.shape[-1]
     for r, ids in zip(rows, banned, strict=True):
+        ids = [t for t in ids if t < vocab]
         if ids:
             logits[r, ids] = float("-inf")
 
@@ -77,6 +80,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         sorted_logits, order = torch.sort(logits, descending=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         drop_sorted = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest set reaching top_p
+        drop_sorted[0] = False  # the top token always stays (a top_p that is 0 in float32 would drop them all)
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -78,6 +78,15 @@ class SamplingParams:
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        # what the wire (msgpack) and torch.Generator take: a bigger int would fail in a worker, not here
+        for name in ("top_k", "max_tokens", "min_tokens"):
+            v = getattr(self, name)
+            if v is not None and not v < 2**63:
+                raise InvalidRequestError(f"{name} must be below 2**63, got {v}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise InvalidRequestError(f"seed must be a 64-bit integer, got {self.seed}")
+        if not all(0 <= t < 2**63 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative token ids")
 
     @property
     def greedy(self) -> bool:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.serve.config import ServeConfig
@@ -42,6 +43,8 @@ _ROLES = {"prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE}
 def request_from_proto(req: pb.GenerateRequest) -> GenerateInput:
     if req.api_version > API_VERSION:
         raise InvalidRequestError(f"api_version {req.api_version} is newer than this server's ({API_VERSION})")
+    if not (req.request_id.isascii() and req.request_id.isprintable()):  # it goes back as x-request-id metadata
+        raise InvalidRequestError("request_id must be printable ASCII")
     s = req.sampling
     sampling = SamplingOptions(
         temperature=s.temperature if s.HasField("temperature") else None,
@@ -186,10 +189,54 @@ def _denying(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(deny, **kw)
 
 
+class _Malformed:
+    """What a request whose bytes do not parse becomes, so its handler can refuse it with a typed status."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """A request message that does not parse ends with INVALID_ARGUMENT (grpc's own answer would be UNKNOWN)."""
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None or handler.request_streaming:
+            return handler  # no client-streaming method in duet.v1 or the health service
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except DecodeError as e:
+                return _Malformed(f"the request message does not parse: {e}")
+
+        kw = {"request_deserializer": deserialize, "response_serializer": handler.response_serializer}
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+                async for reply in inner_stream(request, context):
+                    yield reply
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+        inner = handler.unary_unary
+
+        async def unary_unary(request, context):
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+
+
 async def start_grpc(service: InferenceService, cfg: ServeConfig
                      ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start the gRPC server on ``cfg.host:cfg.grpc_port``; returns it, the bound port, and its health servicer."""
-    interceptors = [TokenAuthInterceptor(cfg.token)] if cfg.token else []
+    # the token check first: it answers with the handler the malformed-request check built
+    interceptors = [*([TokenAuthInterceptor(cfg.token)] if cfg.token else []), MalformedRequestInterceptor()]
     size = cfg.limits.max_message_bytes
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),

@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP API (aiohttp): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, plus
-``/health`` and ``/metrics`` (Prometheus).
+``/health``, ``/metrics`` (Prometheus) and ``/openapi.json`` (this API's OpenAPI description, :mod:`.openapi`).
 
 Chat messages take text and ``image_url`` parts; images must be base64 ``data:`` URLs (the server fetches nothing).
 Each image part becomes an ``<image>`` placeholder at its place in the message, and the conversation goes through
@@ -23,7 +23,8 @@ from aiohttp import web
 
 from cluster.serve.errors import classify
 from cluster.serve.openai_logprobs import chat_logprobs, completion_logprobs, joined, prompt_logprobs
-from cluster.serve.openai_requests import chat_input, completion_from_body
+from cluster.serve.openai_requests import chat_input, completion_from_body, stream_flags
+from cluster.serve.openapi import openapi_document
 from cluster.serve.schema import DeltaEvent, FinalEvent, GenerateInput
 from cluster.serve.service import InferenceService
 from engine.errors import InvalidRequestError
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_KEY = web.AppKey("service", InferenceService)
 TOKEN_KEY = web.AppKey("token", str)
-_PUBLIC_PATHS = ("/health",)
+_PUBLIC_PATHS = ("/health", "/openapi.json")
 
 
 # ------------------------------------------------------------------------------------------------------ responses
@@ -108,11 +109,11 @@ async def _serve(request: web.Request, inp: GenerateInput, body: dict, chat: boo
     meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": service.model_name}
     reply = _Reply(service, inp, body, chat)
+    stream, include_usage = stream_flags(body)
     events = service.generate(inp, api="http")
     try:
-        if body.get("stream"):
-            opts = body.get("stream_options") or {}
-            return await _stream(request, events, meta, kind, reply, bool(opts.get("include_usage")))
+        if stream:
+            return await _stream(request, events, meta, kind, reply, include_usage)
         texts: dict[int, list[str]] = defaultdict(list)
         lps: dict[int, list[TokenLogprobs]] = defaultdict(list)
         final = None
@@ -228,6 +229,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=service.metrics.render(), headers={"Content-Type": service.metrics.content_type})
 
 
+async def openapi_json(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
 @web.middleware
 async def auth_and_errors(request: web.Request, handler):
     """Bearer token (when configured) on everything but ``/health``; aiohttp's own errors in OpenAI's shape."""
@@ -257,4 +262,5 @@ def make_app(service: InferenceService, token: str | None, max_body_bytes: int) 
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health_check)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_json)
     return app

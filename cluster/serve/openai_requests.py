@@ -125,6 +125,12 @@ def sampling_from_body(body: dict, logprobs: int | None = None) -> SamplingOptio
         repetition_penalty=_float(body, "repetition_penalty", 1.0), logprobs=logprobs, n=n)
 
 
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    """``(stream, stream_options.include_usage)``, each a JSON boolean (or absent)."""
+    opts = _field(body, "stream_options", dict, {})
+    return _field(body, "stream", bool, False), _field(opts, "include_usage", bool, False)
+
+
 def decode_data_url(url: str, where: str) -> ImageInput:
     """``data:image/png;base64,...`` -> the image bytes and MIME type."""
     if not url.startswith("data:"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import secrets
@@ -112,6 +113,7 @@ class InferenceService:
         self.requests_served = 0
         self._running: dict[str, asyncio.Queue] = {}
         self._tag = secrets.token_hex(3)  # keeps client-chosen ids of two front-ends on one cluster apart
+        self._calls = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="duet-preprocess")
 
     # ------------------------------------------------------------------------------------------------ generate
@@ -142,7 +144,9 @@ class InferenceService:
                 raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; this server takes at most "
                                          f"{self.max_prompt_tokens}")
             params = self._params(req.sampling, len(prompt_ids))
-            pump = asyncio.create_task(self._pump(prepared, params, f"{self._tag}-{rid}", queue))
+            # the cluster's id is new for every call: a client may reuse an id the moment its request ended, while
+            # the workers may still be releasing the old one (an abort, a lease not yet expired)
+            pump = asyncio.create_task(self._pump(prepared, params, f"{self._tag}-{rid}-{next(self._calls)}", queue))
             async for event in self._events(rid, queue, prompt_ids, req.sampling.stop, params.n, clock):
                 if isinstance(event, FinalEvent):
                     outcome = "aborted" if event.finish_reason == "abort" else "ok"
