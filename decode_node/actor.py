@@ -1,8 +1,8 @@
 """Ray actor around :class:`DecodeWorker`: a loop thread commits finished transfers and steps the decode batch;
 the front-end long-polls :meth:`DecodeActor.poll`, which returns every token produced since the last poll, for all
 requests, in one message (never one call per token per request). A token event is ``{"request_id", "index"
-(the choice), "token_ids" (new), "finished" (every choice of the request), "choice_finished", "finish_reason" (the
-choice's), "logprobs" (when asked: one wire entry per new token, ``engine.outputs.TokenLogprobs.to_wire``), "prompt_logprobs"
+(the choice), "token_ids" (new), "finished" (every choice of the request ended: its last event only),
+"choice_finished", "finish_reason" (the choice's), "logprobs" (when asked: one wire entry per new token, ``engine.outputs.TokenLogprobs.to_wire``), "prompt_logprobs"
 (when asked, on choice 0's first event: one entry per prompt token, None for the first)}``.
 
 Methods take and return msgpack ``bytes`` (:mod:`node_common.messages`).
@@ -205,9 +205,13 @@ class DecodeActor(WorkerActorBase):
         events = [{"request_id": rid, "failed": why} for rid, why in report.failed.items()]
         for rid in report.failed:
             self.sent.pop(rid, None)
+        ended: set[str] = set()
         for out in report.outputs:
             rid = out.request_id
+            if rid in ended:
+                continue  # an n > 1 commit returns one finished output per choice, each holding every choice
             sent = self.sent.setdefault(rid, {})
+            mine = []
             for c in out.outputs:
                 start = sent.get(c.index, 0)
                 if start < 0:
@@ -223,8 +227,12 @@ class DecodeActor(WorkerActorBase):
                     ev["expert_hist"] = report.routing_hints[rid]
                 if c.index == 0 and rid in report.transfers:
                     ev["kv_transfer"] = report.transfers[rid]
-                events.append(ev)
+                mine.append(ev)
                 sent[c.index] = -1 if c.finished else len(c.token_ids)
+            for ev in mine[:-1]:
+                ev["finished"] = False  # only the request's last event says so: a consumer stops reading there
+            events.extend(mine)
             if out.finished:
                 self.sent.pop(rid, None)
+                ended.add(rid)
         return events

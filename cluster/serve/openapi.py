@@ -5,11 +5,12 @@
 required fields), so a generator working from this document (schemathesis, in ``tests/cluster/serve/
 test_fuzz_http.py``) sends requests that pass some checks and fail others. A top-level body field the server does
 not know is a 400 unless it is null (``CHAT_FIELDS`` / ``COMPLETION_FIELDS``), so the bodies allow only null extras;
-nested objects (messages, content parts) stay open where the server ignores extra keys. Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
+nested objects (messages, content parts) stay open where the server ignores extra keys. Every error is
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
 
 Keeping it in step: a field added to (or a rule changed in) ``openai_requests`` (``CHAT_FIELDS``,
-``COMPLETION_FIELDS``, ``sampling_from_body``, ``chat_from_body``, ``completion_from_body``), a new route in ``openai_api.make_app``, or a new status in
-``errors.classify`` needs the same change here; ``test_fuzz_http.py`` checks every response against this document,
+``COMPLETION_FIELDS``, ``sampling_from_body``, ``chat_from_body``, ``completion_from_body``), a new route in
+``openai_api.make_app``, or a new status in ``errors.classify`` needs the same change here; ``test_fuzz_http.py`` checks every response against this document,
 so a server that answers outside it fails the fuzz test.
 """
 

@@ -186,10 +186,10 @@ def raw_call(channel: grpc.Channel, method: str, stream: bool):
     return (channel.unary_stream if stream else channel.unary_unary)(f"/duet.v1.Duet/{method}", **kw)
 
 
-def expect_typed(e: grpc.RpcError, cancelled: bool = False) -> str:
+def expect_typed(e: grpc.RpcError, cancelled: bool = False, sent: object = None) -> str:
     code = e.code()
     allowed = TYPED | ({grpc.StatusCode.CANCELLED} if cancelled else set())
-    assert code in allowed and e.details(), (code, e.details())
+    assert code in allowed and e.details(), (code, e.details(), str(sent)[:2000])
     return f"grpc {code.name}"
 
 
@@ -211,7 +211,7 @@ def generate(channel: grpc.Channel, req: pb.GenerateRequest, extra: bytes, actio
                     pb.AbortRequest(request_id=rid).SerializeToString(), metadata=MD, timeout=30))
                 assert isinstance(found.found, bool)
     except grpc.RpcError as e:
-        return expect_typed(e, cancelled=action == "cancel")
+        return expect_typed(e, cancelled=action == "cancel", sent=req)
     kinds = [r.WhichOneof("kind") for r in replies]
     assert kinds and kinds[-1] == "final" and all(k == "delta" for k in kinds[:-1]), kinds
     assert all(r.api_version == API_VERSION for r in replies)
@@ -321,4 +321,17 @@ def test_an_id_may_be_reused_as_soon_as_its_call_ended(channel, serve_cluster):
             for action in ("cancel", "read", "cancel", "cancel", "read", "read")]
     assert set(outs) <= {"grpc CANCELLED", "grpc OK FINISH_REASON_LENGTH", "grpc INVALID_ARGUMENT"}, outs
     assert outs[-1] == "grpc OK FINISH_REASON_LENGTH"
+    wait_idle(serve_cluster)
+
+
+def test_n_choices_that_all_end_with_their_first_token_all_come_back(channel, serve_cluster):
+    """max_tokens 1 with n > 1: every choice ends in the commit of the hand-off, whose first event said the request
+    had finished, so the front-end stopped reading before the other choices' ends (INTERNAL: stream ended)."""
+    req = pb.GenerateRequest(prompt="Hello", raw_prompt=True, api_version=API_VERSION,
+                             sampling=pb.SamplingParams(n=3, max_tokens=1, ignore_eos=True))
+    replies = list(raw_call(channel, "Generate", stream=True)(req.SerializeToString(), metadata=MD, timeout=60))
+    final = pb.GenerateResponse.FromString(replies[-1]).final
+    assert sorted(c.index for c in final.choices) == [0, 1, 2] and final.usage.completion_tokens == 3
+    deltas = [pb.GenerateResponse.FromString(r).delta for r in replies[:-1]]
+    assert sorted(d.index for d in deltas) == [0, 1, 2] and all(len(d.token_ids) == 1 for d in deltas)
     wait_idle(serve_cluster)
