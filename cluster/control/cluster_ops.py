@@ -14,7 +14,7 @@ from engine.errors import InvalidRequestError
 from node_common import messages
 
 if TYPE_CHECKING:
-    from cluster.control.disagg import _Worker
+    from cluster.control.admission import Worker
 
 logger = logging.getLogger("cluster.control.disagg")
 
@@ -193,7 +193,7 @@ class ClusterOps:
         if role == "decode" and self.expert_routers:
             raise InvalidRequestError("decode pools in expert-parallel groups cannot be resized yet")
 
-    async def _drain(self, w: _Worker, pool: list[_Worker]) -> None:
+    async def _drain(self, w: Worker, pool: list[Worker]) -> None:
         import ray
 
         wid = w.load.worker_id
@@ -217,7 +217,7 @@ class ClusterOps:
         """``{"respawns": {role: n}, "given_up": {role: [worker ids]}, "respawning": [worker ids]}``."""
         return self._healer.summary()
 
-    def heal_members(self) -> list[tuple[str, _Worker]]:
+    def heal_members(self) -> list[tuple[str, Worker]]:
         if self._closing:
             return []
         return [(role, w) for role, ws in (("prefill", self.prefills), ("decode", self.decodes)) for w in ws
@@ -229,7 +229,7 @@ class ClusterOps:
         i = next((i for i, w in enumerate(self.decodes) if w.load.worker_id == worker_id), None)
         return None if i is None else f"ep-{i // self.spec.expert_parallel}"
 
-    async def replace_dead(self, slot: str, role: str, dead: _Worker) -> list[tuple[str, str]]:
+    async def replace_dead(self, slot: str, role: str, dead: Worker) -> list[tuple[str, str]]:
         """Start a fresh worker of ``dead``'s role and config in its place (a whole fresh group when it was a member
         of an expert-parallel group: the survivors cannot go on without it). Runs on the front-end loop."""
         import ray
@@ -286,7 +286,7 @@ class ClusterOps:
     def _ep_config(self, role: str, i: int) -> dict | None:
         return self._ep_configs[i] if role == "decode" and i < len(self._ep_configs) else None
 
-    def _await_started(self, workers: list[_Worker], *, ping: bool = True, stats: bool = True) -> None:
+    def _await_started(self, workers: list[Worker], *, ping: bool = True, stats: bool = True) -> None:
         """Blocking (call it on a thread): wait for ``workers`` to answer, then read each decode worker's free
         blocks. Bounded by ``HealPolicy.start_timeout_s``."""
         import ray
@@ -299,7 +299,7 @@ class ClusterOps:
                             strict=True):
                 w.load.free_blocks = messages.unpack(s)["free_blocks"]
 
-    def _install(self, role: str, i: int, new: _Worker) -> None:
+    def _install(self, role: str, i: int, new: Worker) -> None:
         """Route to ``new`` in place of the worker at ``i`` of its pool (front-end loop)."""
         import ray
 

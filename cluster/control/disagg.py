@@ -1,14 +1,17 @@
 """The disaggregated front-end: starts the prefill and decode actors and serves requests across them.
 
 Request flow (DESIGN.md): validate + tokenize here -> pick a decode worker (most free blocks) -> ``allocate`` gives a
-lease (reserved blocks, transport endpoint, deadline) -> pick a prefill worker (fewest outstanding prompt tokens) ->
+lease (reserved blocks, transport endpoint, deadline) -> the prefill worker the prompt was admitted to
+(:mod:`cluster.control.admission`: least expected time to first token, its cached prefix free) ->
 ``submit`` (prefill streams KV layer by layer to the lease) -> the decode worker commits the request and streams
 tokens back through :meth:`DecodeActor.poll` (one message per poll for all its requests). A failed transfer or a
 dead worker is retried once on another pair; otherwise the request fails with a typed error. Every wait has a deadline.
 
 With ``spec.expert_parallel > 1`` the decode workers form expert-parallel groups before serving (they share the MoE
 experts; :mod:`cluster.experts.expert_router` forms them and runs one expert router per group). Status, pool resizing and
-draining, and the benchmarks' checks are in :mod:`cluster.control.cluster_ops`.
+draining, and the benchmarks' checks are in :mod:`cluster.control.cluster_ops`; the per-worker state, prefill admission
+and decode placement in :mod:`cluster.control.admission`; the batch API's :class:`Completion` in
+:mod:`cluster.control.completion`.
 """
 
 from __future__ import annotations
@@ -20,73 +23,30 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.control.admission import PrefillAdmission, Worker, pick_decode_worker
 from cluster.control.cluster_ops import ClusterOps, await_ref
+from cluster.control.completion import Completion, collect
+from cluster.control.errors import RequestTimeoutError, TransferFailedError
 from cluster.control.pool_healer import PoolHealer
-from cluster.control.router import PrefillLoad, PrefixIndex, WorkerLoad, cached_prefix_tokens, pick_decode, pick_prefill
+from cluster.control.router import WorkerLoad
 from cluster.control.spec import ClusterSpec
-from cluster.control.timeline import RequestClock
 from cluster.experts import expert_router
 from engine import SamplingParams
 from engine.config import DTYPES, ModelConfig
-from engine.errors import DuetError, OutOfBlocksError, is_retryable
+from engine.errors import DuetError, is_retryable
 from engine.inputs import InputProcessor, image_processor_for
-from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 from kv_transfer import ClusterSecret
 from node_common import messages, prompt_wire
 
 logger = logging.getLogger(__name__)
 
-PREFILL_QUEUE_LEASE_FRACTION = 0.5  # a prefill worker's admitted work, in measured seconds, vs lease_base_s
 # a decode worker's long poll: it returns as soon as there are tokens, so this only bounds how often an idle worker
 # is asked (was 50 ms: 20 RPCs a second per idle worker)
 POLL_S = 1.0
-SPEED_EWMA = 0.2  # weight of the newest submit-to-first-token sample in a prefill worker's speed
-
-
-class TransferFailedError(DuetError):
-    """The request's KV could not be moved to a decode worker, even after a retry."""
-
-    code = "transfer_failed"
-
-
-class RequestTimeoutError(DuetError):
-    """The request did not finish before its deadline."""
-
-    code = "request_timeout"
-
-
-@dataclass
-class _Worker:
-    load: WorkerLoad
-    actor: Any
-    inflight: int = 0  # requests placed on this worker and not yet finished (a drain waits for 0)
-    # prefill workers: THE load signal (cluster.control.router): prompt tokens admitted and not yet past their first token,
-    # less those predicted to come from its prefix cache
-    prefill_tokens: int = 0
-    s_per_token: float | None = None  # prefill workers: measured seconds from submit to first token per token queued
-    prefix: PrefixIndex = field(default_factory=PrefixIndex)  # prefill workers: block hashes its cache holds
-    placed_tokens: int = 0  # prefill workers: prompt tokens placed here, and those predicted cached (hit rate)
-    predicted_cached_tokens: int = 0
-
-
-@dataclass
-class Completion:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    attempts: int = 1
-    expert_hist: list[list[int]] | None = None
-    kv_transfer: dict | None = None  # transport, bytes, layers, seconds, exposed_seconds
-    timeline: dict | None = None  # cluster.control.timeline.RequestClock.timeline: queue_s, prefill_s, decode_s, workers, ...
 
 
 class DisaggCluster(ClusterOps):
@@ -139,9 +99,7 @@ class DisaggCluster(ClusterOps):
         self._ids = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, str] = {}  # request id -> decode worker id
-        self._prefill_cap = spec.max_prefill_queue_tokens or 4 * spec.max_num_batched_tokens
-        self._adaptive_cap = spec.max_prefill_queue_tokens is None  # default: also bounded by measured time
-        self._room_waiters: list[asyncio.Future] = []  # requests waiting for prefill room (front-end loop only)
+        self.admission = PrefillAdmission(spec)  # prefill admission and its waiters (front-end loop only)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="duet-frontend", daemon=True)
         self._thread.start()
@@ -210,7 +168,7 @@ class DisaggCluster(ClusterOps):
         first, self._pinned = self._pinned, self._pinned + width
         return sorted({(first + k) % total for k in range(width)})
 
-    def _spawn(self, role: str, worker_id: str, expert_parallel: Any = None) -> _Worker:
+    def _spawn(self, role: str, worker_id: str, expert_parallel: Any = None) -> Worker:
         import ray
 
         spec = self.spec
@@ -223,7 +181,7 @@ class DisaggCluster(ClusterOps):
                      "expert_parallel": expert_parallel, "expert_tiers": spec.tier_config()}
         actor = ray.remote(self._actor_cls[role]).options(**spec.actor_options(role), max_concurrency=16).remote(
             worker_id, spec.model_dir, spec.engine_config(role), spec.transport, **common, **extra)
-        return _Worker(WorkerLoad(worker_id), actor)
+        return Worker(WorkerLoad(worker_id), actor)
 
     def _prepare(self, prompt: Any) -> tuple[Any, dict]:
         """Validate, tokenize, decode and preprocess the images once; returns the processed prompt and its wire
@@ -310,28 +268,7 @@ class DisaggCluster(ClusterOps):
 
     async def _collect(self, prompt: Any, params: SamplingParams) -> Completion:
         p, wire = self._prepare(prompt)
-        c = Completion(request_id="", prompt_token_ids=p.token_ids)
-        t0 = time.perf_counter()
-        last = t0
-        clock = RequestClock(arrival=time.monotonic())
-        async for item in self._serve(p, wire, params, None):
-            if item.get("index", 0):
-                continue  # a Completion is one choice: the first
-            now = time.perf_counter()
-            clock.observe(item)
-            if item["token_ids"] and c.ttft_s is None:
-                c.ttft_s = now - t0
-            c.token_ids.extend(item["token_ids"])
-            c.request_id, c.attempts, last = item["request_id"], item["attempt"], now
-            c.expert_hist = item.get("expert_hist") or c.expert_hist
-            c.kv_transfer = item.get("kv_transfer") or c.kv_transfer
-            if item.get("finished"):
-                c.finish_reason = item["finish_reason"]
-        if c.ttft_s is not None and len(c.token_ids) > 1:
-            c.tpot_s = (last - t0 - c.ttft_s) / (len(c.token_ids) - 1)
-        c.timeline = clock.timeline(c.kv_transfer, attempts=c.attempts)
-        c.text = self.tokenizer.decode(c.token_ids) if self.tokenizer else ""
-        return c
+        return await collect(self._serve(p, wire, params, None), p.token_ids, self.tokenizer)
 
     async def _attempt(self, rid: str, wire: dict, params: SamplingParams, p, exclude_d: frozenset[str],
                        exclude_p: frozenset[str], deadline: float) -> AsyncIterator[dict]:
@@ -339,14 +276,15 @@ class DisaggCluster(ClusterOps):
         self._pick_decode(blocks, exclude_d)  # fail fast when no decode worker could ever hold it
         import ray
 
-        hashes = self._block_hashes(p)
-        pw, charged = await self._admit_prefill(len(p.token_ids), hashes, rid, deadline, exclude_p)
+        hashes = self.admission.block_hashes(p)
+        pw, charged = await self.admission.admit(self._open_prefills, len(p.token_ids), hashes, rid, deadline,
+                                                 exclude_p)
         prefill = pw.load
         admitted = True
         try:
             decode = self._pick_decode(blocks, exclude_d)  # after the wait: free blocks may have changed
         except BaseException:
-            self._release_prefill(pw, charged)
+            self.admission.release(pw, charged)
             raise
 
         queue: asyncio.Queue = asyncio.Queue()
@@ -395,8 +333,8 @@ class DisaggCluster(ClusterOps):
                     yield {**item, **where}
                     return
                 if admitted and item.get("token_ids"):
-                    self._observe_prefill(pw, time.monotonic() - submitted, queued)
-                    admitted = self._release_prefill(pw, charged)
+                    self.admission.observe(pw, time.monotonic() - submitted, queued)
+                    admitted = self.admission.release(pw, charged)
                     pw.prefix.add(hashes)  # its prefill registered them (the next submit reply confirms)
                 if placement is not None and item.get("token_ids"):
                     item, placement = {**item, "placement": placement}, None
@@ -415,48 +353,11 @@ class DisaggCluster(ClusterOps):
             raise
         finally:
             if admitted:
-                self._release_prefill(pw, charged)
+                self.admission.release(pw, charged)
             self._queues.pop(rid, None)
             self._owner.pop(rid, None)
             decode.inflight -= 1
             pw.inflight -= 1
-
-    async def _admit_prefill(self, n_prompt: int, hashes: list[bytes], rid: str, deadline: float,
-                             exclude: frozenset[str]) -> tuple[_Worker, int]:
-        """Place the prompt on a prefill worker once one has room for it (:func:`cluster.control.router.pick_prefill`:
-        least expected time to first token, its cached prefix free), before the decode side reserves blocks: a
-        lease's deadline runs from its allocation, so requests queue here, not in a prefill worker's queue holding
-        one. A prompt larger than a worker's cap is admitted to it alone. Returns the worker and the tokens charged
-        to it (give them back with :meth:`_release_prefill`). Workers in ``exclude`` (tried already) are used only
-        when no other is live."""
-        loop = asyncio.get_running_loop()
-        while True:
-            live = [w for w in self.prefills if w.load.alive and w.load.worker_id not in self._draining]
-            pool = [w for w in live if w.load.worker_id not in exclude] or live
-            if not pool:
-                raise TransferFailedError("no live prefill worker")
-            loads = [self._prefill_load(w, n_prompt, hashes) for w in pool]
-            pick = pick_prefill(loads, n_prompt)
-            if pick is not None:
-                break
-            fut = loop.create_future()
-            self._room_waiters.append(fut)
-            try:
-                await asyncio.wait_for(fut, timeout=max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                raise RequestTimeoutError(f"request {rid} waited {self.spec.request_timeout_s:.0f} s for prefill "
-                                          f"capacity") from None
-        pw = next(w for w in pool if w.load.worker_id == pick.worker_id)
-        charge = n_prompt - pick.cached_tokens
-        pw.prefill_tokens += charge
-        pw.placed_tokens += n_prompt
-        pw.predicted_cached_tokens += pick.cached_tokens
-        return pw, charge
-
-    def _prefill_load(self, w: _Worker, n_prompt: int, hashes: list[bytes]) -> PrefillLoad:
-        cached = cached_prefix_tokens(w.prefix, hashes, self.spec.block_size)
-        room = not w.prefill_tokens or w.prefill_tokens + n_prompt - cached <= self._cap(w)
-        return PrefillLoad(w.load.worker_id, w.prefill_tokens, w.s_per_token, cached, room)
 
     def _agree_max_model_len(self) -> int:
         """The cluster's one ``max_model_len``: the least any worker serves (each caps the configured or model
@@ -466,55 +367,18 @@ class DisaggCluster(ClusterOps):
         rows = ray.get([w.actor.stats.remote() for w in self.prefills + self.decodes], timeout=60)
         return min(messages.unpack(r)["max_model_len"] for r in rows)
 
-    def _block_hashes(self, p: Any) -> list[bytes]:
-        """The prompt's block hashes a prefill worker's prefix cache would look up (the engine's own
-        :meth:`~engine.sequence.Sequence.block_hash`, image content included; the last token is always computed)."""
-        if not self.spec.extra_engine.get("enable_prefix_caching", True):
-            return []
-        seq = Sequence(0, "", list(p.token_ids), len(p.token_ids), SamplingParams(), self.spec.block_size, mm=p.mm)
-        return [seq.block_hash(i) for i in range((len(p.token_ids) - 1) // self.spec.block_size)]
+    def _open_prefills(self) -> list[Worker]:
+        return [w for w in self.prefills if w.load.alive and w.load.worker_id not in self._draining]
 
-    def _cap(self, pw: _Worker) -> float:
-        """Prompt tokens ``pw`` may hold between decode allocation and first token: ``max_prefill_queue_tokens``
-        when configured; by default 4 x ``max_num_batched_tokens`` and, once the worker's speed is measured, no more
-        than it gets through in half a lease (``lease_base_s``), so a queue on a slow worker (a CPU, a long prompt
-        mix) never outlives the leases its requests hold. Until the first measurement, one prompt at a time."""
-        if not self._adaptive_cap:
-            return self._prefill_cap
-        if pw.s_per_token is None:
-            return 0
-        return min(self._prefill_cap, PREFILL_QUEUE_LEASE_FRACTION * self.spec.lease_base_s / pw.s_per_token)
+    def _pick_decode(self, blocks: int, exclude: frozenset[str]) -> Worker:
+        return pick_decode_worker(self.decodes, blocks, draining=self._draining, exclude=exclude)
 
-    @staticmethod
-    def _observe_prefill(pw: _Worker, elapsed_s: float, queued_tokens: int) -> None:
-        """Fold one request's submit-to-first-token time over the tokens queued with it into ``pw``'s speed."""
-        if queued_tokens <= 0 or elapsed_s <= 0:
-            return
-        sample = elapsed_s / queued_tokens
-        pw.s_per_token = sample if pw.s_per_token is None else (1 - SPEED_EWMA) * pw.s_per_token + SPEED_EWMA * sample
-
-    def _release_prefill(self, pw: _Worker, tokens: int) -> bool:
-        """Give back admitted prompt tokens and wake the waiters; returns False (no longer admitted)."""
-        pw.prefill_tokens -= tokens
-        waiters, self._room_waiters = self._room_waiters, []
-        for f in waiters:
-            if not f.done():
-                f.set_result(None)
-        return False
-
-    def _pick_decode(self, blocks: int, exclude: frozenset[str]) -> _Worker:
-        loads = [w.load for w in self.decodes if w.load.worker_id not in self._draining]
-        load = pick_decode(loads, blocks, exclude=exclude) or pick_decode(loads, blocks)
-        if load is None:
-            raise OutOfBlocksError(f"no live decode worker has {blocks} free KV blocks")
-        return next(w for w in self.decodes if w.load is load)
-
-    def _abort(self, rid: str, decode: _Worker, prefill: _Worker) -> None:
+    def _abort(self, rid: str, decode: Worker, prefill: Worker) -> None:
         for w in (decode, prefill):
             if w.load.alive:
                 w.actor.abort.remote(rid)
 
-    async def _poll(self, w: _Worker) -> None:
+    async def _poll(self, w: Worker) -> None:
         import ray
 
         while w.load.alive:

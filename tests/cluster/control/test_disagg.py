@@ -237,7 +237,7 @@ def test_requests_beyond_prefill_capacity_wait_at_the_front_end(ray_cluster, tin
         assert all(x.attempts == 1 and len(x.token_ids) == 2 for x in got)
         assert c.prefills[0].prefill_tokens == 0
         if queue_tokens is None:  # ~1 s per 5-10 token prompt: half a lease holds about one of them
-            assert 0.05 < c.prefills[0].s_per_token < 0.5 and c._cap(c.prefills[0]) < 15
+            assert 0.05 < c.prefills[0].s_per_token < 0.5 and c.admission.cap(c.prefills[0]) < 15
         _assert_idle(c)
     finally:
         c.shutdown()

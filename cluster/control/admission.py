@@ -1,0 +1,145 @@
+"""Where one request runs: the front-end's per-worker state, prefill admission and decode placement.
+
+:class:`DisaggCluster <cluster.control.disagg.DisaggCluster>` keeps one :class:`Worker` per actor and asks this module
+for a pair, in this order (all on the front-end's event loop):
+
+1. :meth:`PrefillAdmission.admit` -- wait until a prefill worker has room for the prompt, then charge it the prompt's
+   uncached tokens (:func:`cluster.control.router.pick_prefill`: least expected time to first token, the prefix its
+   cache holds free). Requests queue here, not in a prefill worker's queue: a lease's deadline runs from its
+   allocation, so no decode blocks are reserved before admission.
+2. :func:`pick_decode_worker` -- the live decode worker with most free blocks (after the admission wait: free blocks
+   may have changed while it waited).
+3. :meth:`PrefillAdmission.observe` at the first token (the worker's measured speed) and
+   :meth:`PrefillAdmission.release` (the charge given back; waiters wake and ask again).
+
+The pure algorithms are in :mod:`cluster.control.router`; this module holds the state they read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.control.errors import RequestTimeoutError, TransferFailedError
+from cluster.control.router import PrefillLoad, PrefixIndex, WorkerLoad, cached_prefix_tokens, pick_decode, pick_prefill
+from cluster.control.spec import ClusterSpec
+from engine import SamplingParams
+from engine.errors import OutOfBlocksError
+from engine.sequence import Sequence
+
+PREFILL_QUEUE_LEASE_FRACTION = 0.5  # a prefill worker's admitted work, in measured seconds, vs lease_base_s
+SPEED_EWMA = 0.2  # weight of the newest submit-to-first-token sample in a prefill worker's speed
+
+
+@dataclass
+class Worker:
+    """One worker actor as the front-end sees it."""
+
+    load: WorkerLoad
+    actor: Any
+    inflight: int = 0  # requests placed on this worker and not yet finished (a drain waits for 0)
+    # prefill workers: THE load signal (cluster.control.router): prompt tokens admitted and not yet past their first
+    # token, less those predicted to come from its prefix cache
+    prefill_tokens: int = 0
+    s_per_token: float | None = None  # prefill workers: measured seconds from submit to first token per token queued
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)  # prefill workers: block hashes its cache holds
+    placed_tokens: int = 0  # prefill workers: prompt tokens placed here, and those predicted cached (hit rate)
+    predicted_cached_tokens: int = 0
+
+
+class PrefillAdmission:
+    """Admits prompts to prefill workers under each worker's cap (see the module docstring). Front-end loop only."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.block_size = spec.block_size
+        self.prefix_caching = bool(spec.extra_engine.get("enable_prefix_caching", True))
+        self._lease_base_s = spec.lease_base_s
+        self._request_timeout_s = spec.request_timeout_s
+        self._static_cap = spec.max_prefill_queue_tokens or 4 * spec.max_num_batched_tokens
+        self._adaptive_cap = spec.max_prefill_queue_tokens is None  # default: also bounded by measured time
+        self._room_waiters: list[asyncio.Future] = []  # requests waiting for prefill room
+
+    async def admit(self, live: Callable[[], list[Worker]], n_prompt: int, hashes: list[bytes], rid: str,
+                    deadline: float, exclude: frozenset[str]) -> tuple[Worker, int]:
+        """Place the prompt on a prefill worker once one has room for it. ``live()`` gives the workers that take
+        requests now (asked again after every wait); those in ``exclude`` (tried already) are used only when no
+        other is live. A prompt larger than a worker's cap is admitted to it alone. Returns the worker and the
+        tokens charged to it (give them back with :meth:`release`)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            workers = live()
+            pool = [w for w in workers if w.load.worker_id not in exclude] or workers
+            if not pool:
+                raise TransferFailedError("no live prefill worker")
+            pick = pick_prefill([self.load_of(w, n_prompt, hashes) for w in pool], n_prompt)
+            if pick is not None:
+                break
+            fut = loop.create_future()
+            self._room_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise RequestTimeoutError(f"request {rid} waited {self._request_timeout_s:.0f} s for prefill "
+                                          f"capacity") from None
+        pw = next(w for w in pool if w.load.worker_id == pick.worker_id)
+        charge = n_prompt - pick.cached_tokens
+        pw.prefill_tokens += charge
+        pw.placed_tokens += n_prompt
+        pw.predicted_cached_tokens += pick.cached_tokens
+        return pw, charge
+
+    def load_of(self, w: Worker, n_prompt: int, hashes: list[bytes]) -> PrefillLoad:
+        """``w`` as :func:`~cluster.control.router.pick_prefill` sees it for a prompt of ``n_prompt`` tokens."""
+        cached = cached_prefix_tokens(w.prefix, hashes, self.block_size)
+        room = not w.prefill_tokens or w.prefill_tokens + n_prompt - cached <= self.cap(w)
+        return PrefillLoad(w.load.worker_id, w.prefill_tokens, w.s_per_token, cached, room)
+
+    def cap(self, pw: Worker) -> float:
+        """Prompt tokens ``pw`` may hold between decode allocation and first token: ``max_prefill_queue_tokens``
+        when configured; by default 4 x ``max_num_batched_tokens`` and, once the worker's speed is measured, no more
+        than it gets through in half a lease (``lease_base_s``), so a queue on a slow worker (a CPU, a long prompt
+        mix) never outlives the leases its requests hold. Until the first measurement, one prompt at a time."""
+        if not self._adaptive_cap:
+            return self._static_cap
+        if pw.s_per_token is None:
+            return 0
+        return min(self._static_cap, PREFILL_QUEUE_LEASE_FRACTION * self._lease_base_s / pw.s_per_token)
+
+    def block_hashes(self, p: Any) -> list[bytes]:
+        """The prompt's block hashes a prefill worker's prefix cache would look up (the engine's own
+        :meth:`~engine.sequence.Sequence.block_hash`, image content included; the last token is always computed)."""
+        if not self.prefix_caching:
+            return []
+        seq = Sequence(0, "", list(p.token_ids), len(p.token_ids), SamplingParams(), self.block_size, mm=p.mm)
+        return [seq.block_hash(i) for i in range((len(p.token_ids) - 1) // self.block_size)]
+
+    @staticmethod
+    def observe(pw: Worker, elapsed_s: float, queued_tokens: int) -> None:
+        """Fold one request's submit-to-first-token time over the tokens queued with it into ``pw``'s speed."""
+        if queued_tokens <= 0 or elapsed_s <= 0:
+            return
+        sample = elapsed_s / queued_tokens
+        pw.s_per_token = sample if pw.s_per_token is None else (1 - SPEED_EWMA) * pw.s_per_token + SPEED_EWMA * sample
+
+    def release(self, pw: Worker, tokens: int) -> bool:
+        """Give back admitted prompt tokens and wake the waiters; returns False (no longer admitted)."""
+        pw.prefill_tokens -= tokens
+        waiters, self._room_waiters = self._room_waiters, []
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+        return False
+
+
+def pick_decode_worker(decodes: list[Worker], blocks: int, *, draining: Any,
+                       exclude: frozenset[str] = frozenset()) -> Worker:
+    """The live decode worker, not draining, with the most free blocks that can hold ``blocks`` (one outside
+    ``exclude`` when any can); raises :class:`~engine.errors.OutOfBlocksError` when none can."""
+    loads = [w.load for w in decodes if w.load.worker_id not in draining]
+    load = pick_decode(loads, blocks, exclude=exclude) or pick_decode(loads, blocks)
+    if load is None:
+        raise OutOfBlocksError(f"no live decode worker has {blocks} free KV blocks")
+    return next(w for w in decodes if w.load is load)
