@@ -121,3 +121,15 @@ def test_found_bugs_are_typed(server, session, serve_cluster, body, status):
     assert resp.status_code == status, resp.text
     if status == 400:
         assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_huge_and_empty_strings_are_typed(server, session):
+    """What schemathesis does not generate: a body over the size limit (413) and empty prompts and messages (400)."""
+    url, auth = f"{server.http_url}/v1/completions", {"Authorization": f"Bearer {TOKEN}"}
+    for body, status in (({"prompt": "x" * 300_000}, 413), ({"prompt": ""}, 400), ({"prompt": " " * 1000}, 400),
+                         ({"prompt": "y " * 5000}, 400)):  # the last: over max_prompt_tokens
+        resp = session.post(url, json=body, headers=auth, timeout=60)
+        assert resp.status_code == status and resp.json()["error"]["type"] == "invalid_request_error", resp.text
+    resp = session.post(f"{server.http_url}/v1/chat/completions", headers=auth, timeout=60,
+                        json={"messages": [{"role": "user", "content": ""}]})
+    assert resp.status_code == 400 and resp.json()["error"]["message"] == "the prompt is empty"
