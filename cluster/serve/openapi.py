@@ -10,7 +10,8 @@ nested objects (messages, content parts) stay open where the server ignores extr
 
 Keeping it in step: a field added to (or a rule changed in) ``openai_requests`` (``CHAT_FIELDS``,
 ``COMPLETION_FIELDS``, ``sampling_from_body``, ``chat_from_body``, ``completion_from_body``), a new route in
-``openai_api.make_app``, or a new status in ``errors.classify`` needs the same change here; ``test_fuzz_http.py`` checks every response against this document,
+``openai_api.make_app``, or a new status in ``errors.classify`` needs the same change here (a test compares the
+described body fields with ``CHAT_FIELDS`` / ``COMPLETION_FIELDS``); ``test_fuzz_http.py`` checks every response against this document,
 so a server that answers outside it fails the fuzz test.
 """
 

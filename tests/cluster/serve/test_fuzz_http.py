@@ -26,6 +26,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from cluster.serve.openai_requests import CHAT_FIELDS, COMPLETION_FIELDS
 from cluster.serve.openapi import openapi_document
 from tests.cluster.serve.fuzz_support import TOKEN, Tally, assert_cluster_clean, fuzz_settings, serving, \
     total_examples
@@ -103,6 +104,13 @@ def test_the_description_is_public_and_names_every_route(server):
     described = {(m.upper(), p) for p, ops in resp.json()["paths"].items() for m in ops}
     assert described == routes
     assert requests.get(f"{server.http_url}/v1/models", timeout=10).status_code == 401  # the rest is not public
+
+
+def test_the_description_names_every_body_field_the_server_takes():
+    """A field added to the server (``CHAT_FIELDS`` / ``COMPLETION_FIELDS``) must be described: keeps it in step."""
+    schemas = openapi_document()["components"]["schemas"]
+    assert set(schemas["ChatCompletionRequest"]["properties"]) == CHAT_FIELDS
+    assert set(schemas["CompletionRequest"]["properties"]) == COMPLETION_FIELDS
 
 
 # ------------------------------------------------------------------------------- regressions (bugs the fuzz found)
