@@ -29,7 +29,7 @@ from typing import Any
 from cluster.control.admission import PrefillAdmission, Worker, pick_decode_worker
 from cluster.control.cluster_ops import ClusterOps, await_ref
 from cluster.control.completion import Completion, collect
-from cluster.control.errors import RequestTimeoutError, TransferFailedError
+from cluster.control.errors import DecodeInterruptedError, RequestTimeoutError, TransferFailedError
 from cluster.control.pool_healer import PoolHealer
 from cluster.control.router import WorkerLoad
 from cluster.control.spec import ClusterSpec
@@ -199,12 +199,13 @@ class DisaggCluster(ClusterOps):
         for attempt in range(2):
             rid = base_id if attempt == 0 else f"{base_id}#retry{attempt}"
             result = self._attempt(rid, wire, params, p, frozenset(tried_d), frozenset(tried_p), deadline)
-            failure = None
+            failure, streamed = None, False
             try:
                 async for item in result:
                     if "failed" in item:
                         failure = item
                         break
+                    streamed = True
                     yield {**item, "attempt": attempt + 1}
                     if item.get("finished"):
                         return
@@ -212,6 +213,11 @@ class DisaggCluster(ClusterOps):
                 await result.aclose()
             if failure is None:
                 return
+            if streamed:  # the caller has tokens of this attempt: a retry would send them again
+                logger.warning("request %s failed on %s after streaming tokens (%s)", rid, failure["decode"],
+                               failure["failed"])
+                raise DecodeInterruptedError(f"request {base_id} failed on decode worker {failure['decode']} after "
+                                             f"its first tokens: {failure['failed']}")
             tried_d.add(failure["decode"])
             tried_p.add(failure["prefill"])
             logger.warning("request %s failed on %s/%s (%s); retrying", rid, failure["prefill"], failure["decode"],
@@ -384,8 +390,8 @@ class DisaggCluster(ClusterOps):
         while w.load.alive:
             try:
                 msg = messages.unpack(await asyncio.wait_for(await_ref(w.actor.poll.remote(POLL_S)), timeout=30))
-            except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
-                w.load.alive = False
+            except Exception as e:  # noqa: BLE001 - dead, silent, or a poll that raises: its requests must not wait
+                w.load.alive = False  # for their deadline on a poller that stopped, nor new ones be placed there
                 logger.error("decode worker %s is gone: %s", w.load.worker_id, e)
                 for rid, owner in list(self._owner.items()):
                     if owner == w.load.worker_id and rid in self._queues:

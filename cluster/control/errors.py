@@ -16,3 +16,12 @@ class RequestTimeoutError(DuetError):
     """The request did not finish before its deadline."""
 
     code = "request_timeout"
+
+
+class DecodeInterruptedError(DuetError):
+    """The request failed on its decode worker (it died, or its step or expert-parallel group failed) after tokens
+    had been streamed to the caller. The cluster does not retry it itself -- a retry would send those tokens again --
+    but the same request may succeed if the caller sends it again (``retryable``)."""
+
+    code = "decode_interrupted"
+    retryable = True

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from cluster.control.disagg import RequestTimeoutError, TransferFailedError
+from cluster.control.errors import DecodeInterruptedError, RequestTimeoutError, TransferFailedError
 from cluster.serve.limits import Overloaded
 from engine.errors import DuetError, InvalidRequestError, OutOfBlocksError
 
@@ -53,6 +53,9 @@ def classify(e: BaseException) -> ErrorInfo:
                          "overloaded", f"{msg}; retry shortly", 1.0)
     if isinstance(e, ServerDrainingError | TransferFailedError):
         return ErrorInfo(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", None, "unavailable", msg)
+    if isinstance(e, DecodeInterruptedError):  # after tokens were streamed: the client may send it again
+        return ErrorInfo(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", DecodeInterruptedError.code,
+                         "unavailable", msg)
     if isinstance(e, RequestTimeoutError):
         return ErrorInfo(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout", None, "timeout", msg)
     return ErrorInfo(grpc.StatusCode.INTERNAL, 500, "server_error", None, "error", f"internal error: {msg}")

@@ -197,6 +197,114 @@ def test_client_abort_frees_everything(fault_cluster):
     _assert_idle(fault_cluster)
 
 
+def _patch_decode_steps(cluster, mode: str) -> None:
+    """Every live decode worker's engine step: ``"fail"`` after its first call (a decode token streams, the next step
+    raises), ``"slow"`` (0.2 s a step) or ``"restore"``. Runs inside each actor (``__ray_call__``)."""
+    import ray
+
+    def patch(actor_self, mode=mode):
+        import time as t
+
+        eng = actor_self.worker.engine
+        eng.__dict__.pop("step", None)  # back to the class's method
+        if mode == "restore":
+            return
+        orig, calls = eng.step, [0]
+
+        def step():
+            calls[0] += 1
+            if mode == "fail" and calls[0] > 1:
+                raise RuntimeError("injected decode step failure")
+            if mode == "slow":
+                t.sleep(0.2)
+            return orig()
+
+        eng.step = step
+
+    ray.get([w.actor.__ray_call__.remote(patch) for w in cluster.decodes if w.load.alive], timeout=30)
+
+
+def _stream_then(cluster, prompt, params, request_id, after_first=lambda: None):
+    """Stream one request on the cluster's loop; ``after_first()`` runs once its first delta arrived. Returns the
+    deltas and the error the stream ended with (None when it finished)."""
+    import asyncio
+
+    async def run():
+        items = []
+        try:
+            async for item in cluster.generate(prompt, params, request_id=request_id):
+                items.append(item)
+                if len(items) == 1:
+                    after_first()
+        except DuetError as e:
+            return items, e
+        return items, None
+
+    return asyncio.run_coroutine_threadsafe(run(), cluster._loop).result(timeout=120)
+
+
+def test_decode_failure_after_streamed_tokens_is_a_typed_retryable_error(fault_cluster):
+    """A decode worker whose step raises, or that is killed, after the request's first tokens were streamed: the
+    stream ends with DecodeInterruptedError (retryable, registry code ``decode_interrupted``; UNAVAILABLE / 503 on
+    the APIs), never a retry that would stream those tokens again, never a hang; no block held after."""
+    import ray
+
+    from cluster.control.errors import DecodeInterruptedError
+    from cluster.serve.errors import classify
+    from engine.errors import is_retryable
+    from node_common import messages
+
+    _patch_decode_steps(fault_cluster, "fail")
+    items, err = _stream_then(fault_cluster, make_request(8, seed=11), greedy(30), "mid-fail")
+    assert isinstance(err, DecodeInterruptedError) and "injected decode step failure" in str(err)
+    assert items and all(it["attempt"] == 1 for it in items) and sum(len(it["token_ids"]) for it in items) < 30
+    assert is_retryable(err) and messages.error_code(err) == "decode_interrupted"
+    with pytest.raises(DecodeInterruptedError):  # keeps its type across a process boundary
+        messages.unpack(messages.error_reply(err))
+    info = classify(err)
+    assert (info.grpc_code.name, info.http_status, info.openai_code) == ("UNAVAILABLE", 503, "decode_interrupted")
+    _patch_decode_steps(fault_cluster, "restore")
+    _assert_idle(fault_cluster)
+
+    _patch_decode_steps(fault_cluster, "slow")
+
+    def kill_owner():
+        ray.kill(next(w.actor for w in fault_cluster.decodes if w.load.worker_id == fault_cluster._owner["mid-kill"]))
+
+    items, err = _stream_then(fault_cluster, make_request(8, seed=12), greedy(30), "mid-kill", kill_owner)
+    assert isinstance(err, DecodeInterruptedError) and "died" in str(err)
+    assert items and all(it["attempt"] == 1 for it in items) and sum(len(it["token_ids"]) for it in items) < 30
+    _patch_decode_steps(fault_cluster, "restore")
+    _assert_idle(fault_cluster)
+
+
+def test_a_decode_poll_that_raises_fails_its_requests_at_once():
+    """Not only a dead actor: a poll that raises anything (a task error, an undecodable reply) marks the worker dead
+    and fails its requests now, instead of leaving them to their deadline behind a poller that stopped."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.control.admission import Worker
+    from cluster.control.router import WorkerLoad
+
+    async def boom():
+        raise RuntimeError("poll raised")
+
+    deaths: list[str] = []
+    actor = SimpleNamespace(poll=SimpleNamespace(remote=lambda timeout_s: boom()))
+    w = Worker(WorkerLoad("decode-0"), actor)
+
+    async def run() -> dict:
+        q: asyncio.Queue = asyncio.Queue()
+        front = SimpleNamespace(_owner={"r": "decode-0"}, _queues={"r": q}, _closing=False, _draining={},
+                                _healer=SimpleNamespace(report_death=lambda role, w, why: deaths.append(why)))
+        await asyncio.wait_for(DisaggCluster._poll(front, w), timeout=10)
+        return q.get_nowait()
+
+    assert "decode-0 died" in asyncio.run(run())["failed"]
+    assert not w.load.alive and deaths == ["poll failed: RuntimeError"]
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("policy", ["default", "aggressive"])
 def test_compressed_kv_runs_end_to_end(ray_cluster, tiny_model_dir, transport, policy):
