@@ -50,6 +50,8 @@ from kv_transfer import (
     KVReceiver,
     Lease,
     ProtocolError,
+    StateLayout,
+    TensorSpec,
     transfer_deadline,
 )
 from kv_transfer.compression import CompressionPolicy, resolve_policy
@@ -89,6 +91,8 @@ class _TransferClock:
     last_s: float | None = None
     nbytes: int = 0
     layers: int = 0
+    state_bytes: int = 0  # hybrid models' GDN state frames (apart from the KV bytes)
+    state_frames: int = 0
 
 
 class DecodeWorker:
@@ -105,7 +109,12 @@ class DecodeWorker:
         self.manager = manager
         t = self.engine.model_config.text
         dtype = str(self.engine.dtype).removeprefix("torch.")
-        self.layout = KVLayout(t.num_layers, config.block_size, t.num_kv_heads, t.head_dim, dtype)
+        # the wire numbers KV layers 0..n-1 over the decoder layers that have KV, state frames over the GDN layers
+        self.layout = KVLayout(len(t.kv_layers), config.block_size, t.num_kv_heads, t.head_dim, dtype)
+        self.kv_layers, self.state_layers = t.kv_layers, t.state_layers
+        specs = self.engine.runner.state_specs()
+        self.state_layout = StateLayout(len(t.state_layers), tuple(
+            TensorSpec(name, shape, str(dt).removeprefix("torch.")) for name, shape, dt in specs)) if specs else None
         self.receivers: dict[str, KVReceiver] = {}
         self.clocks: dict[str, _TransferClock] = {}
         self.recv_lock = threading.Lock()
@@ -125,15 +134,18 @@ class DecodeWorker:
         with self.recv_lock:
             blocks = self.engine.preallocate(request_id, prompt, params)
         nbytes = len(blocks) * self.engine.runner.kv_bytes_per_token * self.layout.block_size
+        nbytes += 0 if self.state_layout is None else self.state_layout.transfer_nbytes
         lease = Lease(request_id=request_id, num_blocks=len(blocks), layout=self.layout,
                       transport=self.manager.name, endpoint=self.manager.endpoint,
                       deadline_s=transfer_deadline(nbytes, base_s=self.lease_base_s,
-                                                   min_rate_bps=self.lease_min_rate_bps))
+                                                   min_rate_bps=self.lease_min_rate_bps), state=self.state_layout)
         self.clocks[request_id] = _TransferClock(time.time())
         try:
             receiver = self.manager.expect(lease, self._sink(request_id))
             if hasattr(receiver, "decode_device"):  # decode compressed layers where the pool is
                 receiver.decode_device = self.engine.runner.device
+            if self.state_layout is not None:
+                receiver.state_sink = self._state_sink(request_id)
             self.receivers[request_id] = receiver
         except Exception:
             self._release(request_id)
@@ -144,12 +156,23 @@ class DecodeWorker:
         def write(layer: int, k: torch.Tensor, v: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
             with self.recv_lock:
                 if request_id in self.engine.receiving:
-                    self.engine.write_layer(request_id, layer, k, v, dropped)
+                    self.engine.write_layer(request_id, self.kv_layers[layer], k, v, dropped)
                     clock = self.clocks.get(request_id)
                     if clock is not None:
                         now = time.time()
                         clock.first_s = clock.first_s or now
                         clock.last_s, clock.nbytes, clock.layers = now, clock.nbytes + k.nbytes + v.nbytes, clock.layers + 1
+        return write
+
+    def _state_sink(self, request_id: str):
+        def write(index: int, tensors: dict[str, torch.Tensor]) -> None:
+            with self.recv_lock:
+                if request_id in self.engine.receiving:
+                    self.engine.write_state(request_id, self.state_layers[index], tensors)
+                    clock = self.clocks.get(request_id)
+                    if clock is not None:
+                        clock.state_bytes += sum(t.nbytes for t in tensors.values())
+                        clock.state_frames += 1
         return write
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
@@ -217,10 +240,13 @@ class DecodeWorker:
     def _transfer_stats(self, request_id: str, handoff: Handoff) -> dict:
         c = self.clocks.pop(request_id, None)
         if c is None or c.first_s is None:
-            return {"transport": self.manager.name, "bytes": 0, "layers": 0, "seconds": 0.0, "exposed_seconds": 0.0}
+            return {"transport": self.manager.name, "bytes": 0, "layers": 0, "seconds": 0.0, "exposed_seconds": 0.0,
+                    "state_bytes": 0 if c is None else c.state_bytes, "state_frames": 0 if c is None else c.state_frames}
         done = c.last_s if handoff.compute_done_s is None else handoff.compute_done_s
+        # "bytes" counts KV only; hybrid models' GDN state moves apart ("state_bytes", always raw)
         return {"transport": self.manager.name, "bytes": c.nbytes, "layers": c.layers,
-                "seconds": c.last_s - c.first_s, "exposed_seconds": max(0.0, c.last_s - done)}
+                "seconds": c.last_s - c.first_s, "exposed_seconds": max(0.0, c.last_s - done),
+                "state_bytes": c.state_bytes, "state_frames": c.state_frames}
 
     def step(self) -> StepReport:
         report = StepReport()

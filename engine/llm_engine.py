@@ -368,7 +368,14 @@ class LLMEngine:
         if dropped is not None and dropped.numel():
             if seq.kv_dropped is None:
                 seq.kv_dropped = {}
-            seq.kv_dropped[layer] = dropped
+            seq.kv_dropped[self.runner.kv_index[layer]] = dropped  # the decode mirror counts KV layers only
+
+    def write_state(self, request_id: str, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Store one received GDN layer's state of a receiving request (hybrid models; ``layer`` is the decoder
+        layer, ``tensors`` as :meth:`ModelRunner.gather_state` gives them)."""
+        seq = self.receiving[request_id]
+        assert seq.state_slot is not None, "preallocate gave every receiving request of a hybrid model a state slot"
+        self.runner.write_state(seq.state_slot, layer, tensors)
 
     def commit_prefilled(self, request_id: str, first_token: int, generator_state: torch.Tensor | None = None,
                          *, lossy: bool = False, first_logprobs: TokenLogprobs | None = None,

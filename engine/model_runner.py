@@ -276,6 +276,26 @@ class ModelRunner:
         kp.index_copy_(0, table, k.to(device=kp.device, dtype=kp.dtype))
         vp.index_copy_(0, table, v.to(device=vp.device, dtype=vp.dtype))
 
+    def state_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """Hybrid models: (name, shape, dtype) of each tensor one sequence keeps per GDN layer; [] otherwise."""
+        if self.state is None:
+            return []
+        s = self.state.layers[0]
+        return [("conv", tuple(s.conv.shape[1:]), s.conv.dtype), ("recurrent", tuple(s.recurrent.shape[1:]),
+                                                                   s.recurrent.dtype)]
+
+    def gather_state(self, seq: Sequence, layer: int) -> dict[str, torch.Tensor]:
+        """Copies of ``seq``'s state in GDN decoder layer ``layer``: ``{"conv", "recurrent"}``."""
+        assert self.state is not None and seq.state_slot is not None
+        conv, rec = self.state.read(self.state_index[layer], seq.state_slot)
+        return {"conv": conv, "recurrent": rec}
+
+    @torch.inference_mode()
+    def write_state(self, slot: int, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Store a received state (see :meth:`gather_state`) into ``slot``."""
+        assert self.state is not None
+        self.state.write(self.state_index[layer], slot, tensors["conv"], tensors["recurrent"])
+
     @property
     def track_routing(self) -> bool:
         return any(m.record_routing for m in self._moe_layers())

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kv_transfer.codec import Codec
     from kv_transfer.compression import CodecContext
 
-LEASE_VERSION = 1
+LEASE_VERSION = 2  # 2 adds "state" (hybrid models' state frames); version-1 leases (no state) still parse
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -154,6 +154,51 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
+class TensorSpec:
+    """One named tensor of a state frame: its shape and dtype name (a key of :data:`DTYPES`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(x) for x in self.shape))
+        if not self.name or not isinstance(self.name, str) or any(x <= 0 for x in self.shape):
+            raise ValueError(f"TensorSpec needs a name and a positive shape, got {self.name!r} {self.shape}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TensorSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Per-request state that travels beside the KV (hybrid models): ``num_frames`` state frames, each holding one
+    tensor per spec (:mod:`kv_transfer.state_frames`)."""
+
+    num_frames: int
+    tensors: tuple[TensorSpec, ...]
+
+    def __post_init__(self) -> None:
+        specs = tuple(s if isinstance(s, TensorSpec) else TensorSpec(**s) for s in self.tensors)
+        object.__setattr__(self, "tensors", specs)
+        if not isinstance(self.num_frames, int) or self.num_frames <= 0 or not specs:
+            raise ValueError(f"StateLayout needs num_frames > 0 and tensors, got {self.num_frames!r}, {specs}")
+        if len({s.name for s in specs}) != len(specs):
+            raise ValueError("StateLayout tensor names must be distinct")
+
+    @property
+    def frame_nbytes(self) -> int:
+        return sum(s.nbytes for s in self.tensors)
+
+    @property
+    def transfer_nbytes(self) -> int:
+        return self.num_frames * self.frame_nbytes
+
+
+@dataclass(frozen=True)
 class Lease:
     """The decode side's promise: blocks are reserved for ``request_id`` until ``deadline_s`` (absolute wall time).
 
@@ -168,6 +213,7 @@ class Lease:
     endpoint: str
     deadline_s: float
     lease_id: str = field(default_factory=lambda: secrets.token_hex(16))
+    state: StateLayout | None = None  # state frames expected beside the KV (None: KV only)
 
     def __post_init__(self) -> None:
         if not self.request_id or not isinstance(self.request_id, str):
@@ -181,12 +227,15 @@ class Lease:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Lease:
         """Inverse of :meth:`to_dict`; raises :class:`ProtocolError` for an unknown version or a malformed dict."""
-        if not isinstance(d, dict) or d.get("version") != LEASE_VERSION:
+        if not isinstance(d, dict) or d.get("version") not in (1, LEASE_VERSION):
             got = d.get("version") if isinstance(d, dict) else type(d).__name__
-            raise ProtocolError(f"lease version {got!r} is not supported (expected {LEASE_VERSION})")
+            raise ProtocolError(f"lease version {got!r} is not supported (expected <= {LEASE_VERSION})")
         try:
             fields = {k: v for k, v in d.items() if k != "version"}
-            return cls(**{**fields, "layout": KVLayout(**fields["layout"])})
+            state = fields.get("state")
+            if state is not None:
+                state = StateLayout(**state)
+            return cls(**{**fields, "layout": KVLayout(**fields["layout"]), "state": state})
         except (TypeError, KeyError, ValueError) as e:
             raise ProtocolError(f"malformed lease: {e}") from e
 
@@ -202,7 +251,10 @@ class KVSender(abc.ABC):
       twice, or a call after ``finish``. After the transfer FAILED it drops the layer silently (check ``poll()``).
     * ``finish(meta)``: once, after the layers; ``meta`` is a msgpack-able dict (first token, expert histogram...)
       delivered to the receiver's ``meta``. A layer never sent makes both sides fail with :class:`MissingLayer`.
-    * SUCCESS means the receiver verified every layer and the final frame.
+    * ``send_state(index, tensors)``: leases with a :class:`StateLayout` only, once per state frame, any order,
+      before ``finish``; ``tensors`` maps each spec's name to a tensor of its shape and dtype. Copies them and
+      enqueues, as ``send_layer``; raises ``ValueError`` likewise. Always sent raw (:mod:`kv_transfer.state_frames`).
+    * SUCCESS means the receiver verified every layer, every state frame and the final frame.
     """
 
     tamper: Callable[[dict, torch.Tensor], None] | None = None
@@ -213,6 +265,9 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, ctx: CodecContext | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def send_state(self, index: int, tensors: dict[str, torch.Tensor]) -> None: ...
 
     @abc.abstractmethod
     def finish(self, meta: dict[str, Any]) -> None: ...
@@ -240,9 +295,14 @@ class KVReceiver(abc.ABC):
     checksum failed, and never again once ``abort()`` returned or the transfer failed. SUCCESS: every layer arrived
     exactly once, verified, and the final frame arrived; ``meta`` then holds the sender's ``finish`` dict. Until the
     receiver is terminal the decode side owns its blocks but must not read them.
+
+    State frames (leases with a :class:`StateLayout`) go to ``state_sink(index, tensors)`` under the same rules; the
+    decode side sets it right after ``expect`` returns, before it hands out the lease. SUCCESS then also needs every
+    state frame.
     """
 
     lease: Lease
+    state_sink: Callable[[int, dict[str, torch.Tensor]], None] | None = None
 
     @property
     @abc.abstractmethod
@@ -309,11 +369,13 @@ class KVManager(abc.ABC):
     def close(self) -> None:
         """Abort live transfers (the peers see TransferAborted), release connections and threads. Idempotent."""
 
-    def lease(self, request_id: str, *, num_blocks: int, layout: KVLayout, deadline_s: float | None = None) -> Lease:
-        """A lease pointing at this manager; the deadline defaults to :func:`transfer_deadline` of the bytes."""
+    def lease(self, request_id: str, *, num_blocks: int, layout: KVLayout, deadline_s: float | None = None,
+              state: StateLayout | None = None) -> Lease:
+        """A lease pointing at this manager; the deadline defaults to :func:`transfer_deadline` of the bytes (KV and
+        state)."""
         if deadline_s is None:
-            deadline_s = transfer_deadline(layout.transfer_nbytes(num_blocks))
-        return Lease(request_id, num_blocks, layout, self.name, self.endpoint, deadline_s)
+            deadline_s = transfer_deadline(layout.transfer_nbytes(num_blocks) + (state.transfer_nbytes if state else 0))
+        return Lease(request_id, num_blocks, layout, self.name, self.endpoint, deadline_s, state=state)
 
     def __enter__(self) -> Self:
         return self

@@ -7,6 +7,7 @@ kind       to          meaning
 =========  ==========  ===================================================================
 open       receiver    a sender exists for this request (binds the link on the decode side)
 layer      receiver    one layer's KV: codec header fields (codec.py) + payload
+state      receiver    one state frame (hybrid models): state_frames.py header fields + raw payload
 finish     receiver    all layers were sent; ``"meta"``: the sender's finish dict
 abort      either      ``"error"`` (TransferError class name) and ``"reason"``
 done       sender      the receiver reached SUCCESS
@@ -89,6 +90,10 @@ def open_frame(request_id: str) -> dict[str, Any]:
 
 def layer_frame(codec_header: dict[str, Any]) -> dict[str, Any]:
     return {"v": FRAME_VERSION, "kind": "layer", "to": TO_RECEIVER, **codec_header}
+
+
+def state_frame(fields: dict[str, Any]) -> dict[str, Any]:
+    return {"v": FRAME_VERSION, "kind": "state", "to": TO_RECEIVER, **fields}
 
 
 def finish_frame(request_id: str, meta: dict[str, Any]) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from kv_transfer.base import (
     error_from_name,
 )
 from kv_transfer.codec import Codec, decode_layer, encode_layer
+from kv_transfer.state_frames import decode_state, encode_state
 
 if TYPE_CHECKING:
     from kv_transfer.auth import LeaseAuth
@@ -128,6 +129,13 @@ class LayerJob:
 
 
 @dataclass
+class StateJob:
+    sender: BaseSender
+    index: int
+    tensors: dict[str, torch.Tensor]  # the sender's own copies
+
+
+@dataclass
 class FinishJob:
     sender: BaseSender
     meta: dict[str, Any]
@@ -149,6 +157,7 @@ class BaseSender(Transfer, KVSender):
         super().__init__(lease, KVPoll.BOOTSTRAPPING, auth)
         self._codec, self._payload_device = codec, payload_device
         self._sent = bytearray(lease.layout.num_layers)
+        self._state_sent = bytearray(0 if lease.state is None else lease.state.num_frames)
         self._finished = self._finish_encoded = False
         self._lock = threading.Lock()
 
@@ -176,6 +185,21 @@ class BaseSender(Transfer, KVSender):
             job.ready.record()
         self._post(job)
 
+    def send_state(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        state = self.lease.state
+        if state is None:
+            raise ValueError(f"request {self.request_id!r}: the lease expects no state frames")
+        copies = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+        encode_state(self.request_id, index, copies, state)  # validates names, shapes, dtypes, index
+        with self._lock:
+            if self._finished:
+                raise ValueError(f"request {self.request_id!r}: send_state after finish")
+            if self._state_sent[index]:
+                raise ValueError(f"request {self.request_id!r}: state frame {index} sent twice")
+            self._state_sent[index] = 1
+        if self._state is not KVPoll.FAILED:
+            self._post(StateJob(self, index, copies))
+
     def finish(self, meta: dict[str, Any]) -> None:
         frames.check_meta(meta)
         with self._lock:
@@ -185,13 +209,22 @@ class BaseSender(Transfer, KVSender):
         if self._state is not KVPoll.FAILED:
             self._post(FinishJob(self, meta))
 
-    def encode_job(self, job: LayerJob | FinishJob) -> tuple[dict[str, Any], torch.Tensor | None] | None:
+    def encode_job(self, job: LayerJob | StateJob | FinishJob) -> tuple[dict[str, Any], torch.Tensor | None] | None:
         """Transport thread: the frame for ``job``, or None when this transfer failed (drop it)."""
         if self._state is KVPoll.FAILED:
             return None
         if isinstance(job, FinishJob):
             self._finish_encoded = True
             return self.seal(frames.finish_frame(self.request_id, job.meta)), None
+        if isinstance(job, StateJob):
+            assert self.lease.state is not None
+            fields, payload = encode_state(self.request_id, job.index, job.tensors, self.lease.state)
+            header = frames.state_frame(fields)
+            if self.tamper is not None:
+                self.tamper(header, payload)
+            header = self.seal(header, payload)
+            self._advance(KVPoll.TRANSFERRING)
+            return header, payload
         if job.ready is not None:
             job.ready.synchronize()
         codec_header, payload = encode_layer(self.request_id, job.layer, job.k, job.v, self._codec, job.ctx,
@@ -214,7 +247,7 @@ class BaseSender(Transfer, KVSender):
         else:
             self._fail(ProtocolError(f"request {self.request_id!r}: unexpected {kind!r} frame"), notify_peer=True)
 
-    def _post(self, job: LayerJob | FinishJob) -> None:
+    def _post(self, job: LayerJob | StateJob | FinishJob) -> None:
         raise NotImplementedError
 
 
@@ -228,7 +261,9 @@ class BaseReceiver(Transfer, KVReceiver):
         self._sink, self._on_done = sink, on_done
         self._sink_lock = threading.RLock()
         self._arrived = bytearray(lease.layout.num_layers)
+        self._state_arrived = bytearray(0 if lease.state is None else lease.state.num_frames)
         self.wire_bytes = 0  # payload bytes of the verified layers (what travelled, after compression)
+        self.state_bytes = 0  # payload bytes of the verified state frames (raw)
         self.decode_device: torch.device | None = None  # decode payloads here (the pool's device), after checksums
         self._meta: dict[str, Any] | None = None
 
@@ -245,6 +280,8 @@ class BaseReceiver(Transfer, KVReceiver):
         kind = header["kind"]
         if kind == "layer":
             self._on_layer(header, payload)
+        elif kind == "state":
+            self._on_state(header, payload)
         elif kind == "finish":
             self._on_finish(header)
         elif kind == "abort":
@@ -283,14 +320,41 @@ class BaseReceiver(Transfer, KVReceiver):
                 return
             self._arrived[layer] = 1
 
+    def _on_state(self, header: dict[str, Any], payload: torch.Tensor | None) -> None:
+        with self._sink_lock:
+            if self._state in TERMINAL:
+                return
+            index = header.get("index")
+            try:
+                if self.lease.state is None or not isinstance(index, int) or not 0 <= index < len(self._state_arrived):
+                    raise ProtocolError(f"state frame {index!r} out of range for the lease")
+                if self._state_arrived[index]:
+                    raise ProtocolError(f"state frame {index} arrived twice")
+                if self.state_sink is None:
+                    raise ProtocolError("state frame for a receiver without a state sink")
+                tensors = decode_state(header, payload, self.lease.state, device=self.decode_device)
+            except TransferError as e:
+                self._fail(e, notify_peer=True)
+                return
+            self._advance(KVPoll.TRANSFERRING)
+            try:
+                self.state_sink(index, tensors)
+            except Exception as e:
+                log.exception("state sink failed for request %r frame %d", self.request_id, index)
+                self._fail(TransferError(f"state sink raised {e!r}"), notify_peer=True)
+                return
+            self.state_bytes += payload.numel()
+            self._state_arrived[index] = 1
+
     def _on_finish(self, header: dict[str, Any]) -> None:
         with self._sink_lock:
             if self._state in TERMINAL:
                 return
             missing = [i for i, got in enumerate(self._arrived) if not got]
-            if missing:
-                self._fail(MissingLayer(f"request {self.request_id!r}: finish arrived without layer(s) {missing}"),
-                           notify_peer=True)
+            missing_state = [i for i, got in enumerate(self._state_arrived) if not got]
+            if missing or missing_state:
+                self._fail(MissingLayer(f"request {self.request_id!r}: finish arrived without layer(s) {missing}"
+                                        f" / state frame(s) {missing_state}"), notify_peer=True)
                 return
             self._meta = header.get("meta") or {}
             if not self._advance(KVPoll.SUCCESS):

@@ -13,9 +13,11 @@ Not thread-safe by itself: the actor wrapper serialises calls (``submit``/``abor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,7 +56,7 @@ class PrefillWorker:
         if self._score:
             self.engine.runner.query_window = QUERY_WINDOW
         self.senders: dict[str, KVSender] = {}
-        self._held: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        self._held: dict[str, list[Callable[[], None]]] = {}  # KV / state sends held until the step ends
         self._seqs: dict[str, Sequence] = {}
         self._compute_done: dict[str, float] = {}  # wall time the last layer's KV was computed
         self._visual: dict[str, torch.Tensor] = {}  # request id -> prompt positions that are image tokens (codec)
@@ -105,8 +107,8 @@ class PrefillWorker:
             sender = self.senders.pop(rid, None)
             if sender is None:
                 continue
-            for layer, k, v, ctx in self._held.pop(rid, []):
-                sender.send_layer(layer, k, v, ctx)
+            for send in self._held.pop(rid, []):
+                send()
             handoff = self._handoff(out.outputs[0].token_ids[0], seq, self._compute_done.pop(rid, time.time()))
             self._visual.pop(rid, None)
             sender.finish(handoff.to_meta())
@@ -135,18 +137,29 @@ class PrefillWorker:
         last = layer == self.engine.model_config.text.num_layers - 1
         if self.faults.layer_delay_s:
             time.sleep(self.faults.layer_delay_s)
+        runner = self.engine.runner
         for seq in seqs:
             sender = self.senders.get(seq.request_id)
             if sender is None:
                 continue
-            k, v = self.engine.runner.gather_layer(seq, layer)
+            if layer in runner.state_index:  # a GDN layer: its final state is one state frame, always raw
+                send = functools.partial(sender.send_state, runner.state_index[layer], runner.gather_state(seq, layer))
+                if self.stream_layers:
+                    send()
+                else:
+                    self._held.setdefault(seq.request_id, []).append(send)
+                if last:
+                    self._compute_done[seq.request_id] = time.time()
+                continue
+            k, v = runner.gather_layer(seq, layer)
             ctx = None if self.compression is None else self._codec_context(seq, k, v)
             if last:
                 self._compute_done[seq.request_id] = time.time()
+            send = functools.partial(sender.send_layer, runner.kv_index[layer], k, v, ctx)
             if self.stream_layers:
-                sender.send_layer(layer, k, v, ctx)
+                send()
             else:
-                self._held.setdefault(seq.request_id, []).append((layer, k, v, ctx))
+                self._held.setdefault(seq.request_id, []).append(send)
 
     def _codec_context(self, seq: Sequence, k: torch.Tensor, v: torch.Tensor) -> CodecContext:
         """What the codec needs to know about this layer of ``seq``'s prompt: which tokens are visual and, when the

@@ -113,7 +113,7 @@ class FrameReader:
     def feed(self, message: bytes) -> tuple[dict[str, Any], torch.Tensor | None] | None:
         if self._header is None:
             header = frames.unpack(message)
-            nbytes = header.get("nbytes", 0) if header["kind"] == "layer" else 0
+            nbytes = header.get("nbytes", 0) if header["kind"] in ("layer", "state") else 0
             if not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_PAYLOAD_BYTES:
                 raise frames.FrameRejected(f"bad payload size {nbytes!r}", request_id=header.get("request_id"),
                                            to=header.get("to"))
