@@ -223,7 +223,8 @@ class DecodeWorker:
                 del self.receivers[rid]
                 self.clocks.pop(rid, None)
                 self._release(rid)
-                report.failed[rid] = str(receiver.failure_exception() or "transfer failed")
+                e = receiver.failure_exception()
+                report.failed[rid] = "transfer failed" if e is None else f"{type(e).__name__}: {e}"  # typed, named
 
     def _accept_handoff(self, request_id: str, meta: dict | None) -> Handoff:
         """Parse a receiving request's hand-off and set what decode continues from: generated tokens' M-RoPE

@@ -42,13 +42,15 @@ class WorkerActorBase:
             return self.worker.engine.clear_vision_cache()
 
     def check_no_leaks(self) -> bytes:
-        """``{"idle", "held"}``: when idle, asserts every KV block is free or cached with zero references."""
+        """``{"idle", "held"}`` (KV blocks and state slots still held): when idle, asserts every KV block is free or
+        cached with zero references and every state slot free."""
         with self.lock:
             bm = self.worker.engine.block_manager
             idle = not self.worker.has_work()
             if idle:
                 bm.check_no_leaks()
-            return messages.pack(idle=idle, held=sum(b.ref_count > 0 for b in bm.blocks))
+            slots = 0 if bm.state_slots is None else bm.state_slots.num_slots - bm.state_slots.num_free
+            return messages.pack(idle=idle, held=sum(b.ref_count > 0 for b in bm.blocks) + slots)
 
 
 def pin_process(cpus: list[int]) -> None:
