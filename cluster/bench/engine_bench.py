@@ -39,7 +39,7 @@ from cluster.bench.qwen_bench import image_sizes
 from cluster.report import log, machine_table, scenario_table, write_json
 
 SCENARIOS = ("uniform1", "uniform32", "mixed")
-MODELS = ("llava-moe", "qwen3-vl-moe")
+MODELS = ("llava-moe", "qwen3-vl-moe", "qwen3.5-moe")
 BENCH_MODEL_NAME = "bench-llava-moe-v1"
 MAX_NUM_SEQS = 64
 
@@ -170,8 +170,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                 f"into $DUET_HOME/models/{BENCH_MODEL_NAME})")
     p.add_argument("--scenarios", type=_scenarios, default=list(SCENARIOS), help=f"comma list of {','.join(SCENARIOS)}")
     p.add_argument("--model", choices=MODELS, default=MODELS[0],
-                   help="bench model family: llava-moe (the scenarios) or qwen3-vl-moe (one-image TTFT, "
-                        "cluster.bench.qwen_bench)")
+                   help="bench model family: llava-moe (the scenarios), qwen3-vl-moe (one-image TTFT, "
+                        "cluster.bench.qwen_bench) or qwen3.5-moe (TTFT / TPOT, KV vs state bytes, "
+                        "cluster.bench.qwen35_bench)")
     p.add_argument("--repeat", type=_positive, default=None,
                    help="run each measurement N times: llava-moe keeps the best (default 1), qwen3-vl-moe quotes "
                         "the median of N alternating rounds (default 5)")
@@ -267,6 +268,10 @@ def run(args: argparse.Namespace) -> int:
         from cluster.bench.qwen_bench import run as run_qwen
 
         return run_qwen(args)
+    if args.model == "qwen3.5-moe":
+        from cluster.bench.qwen35_bench import run_engine
+
+        return run_engine(args)
     model_dir = Path(args.model_dir) if args.model_dir else bench_model_dir()
     if args.peer_cmd:
         from cluster.bench.peer import run_side_by_side

@@ -242,6 +242,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and images")
     p.add_argument("--json", default="bench_out/transfer.json", help="where to write the results")
     p.add_argument("--quick", action="store_true", help="tiny smoke configuration (tests), not for figures")
+    p.add_argument("--model", choices=("llava-moe", "qwen3.5-moe"), default="llava-moe",
+                   help="llava-moe: the figures above; qwen3.5-moe: TTFT local / transformers / per transport and "
+                        "KV vs GDN state bytes per request (cluster.bench.qwen35_bench)")
 
 
 def _lens(text: str) -> list[int]:
@@ -284,6 +287,19 @@ def run(args: argparse.Namespace) -> int:
     from cluster.bench.engine_bench import usable_token_ids
     from engine.config import ModelConfig
     from engine.errors import InvalidRequestError
+
+    if args.model == "qwen3.5-moe":
+        from cluster.bench.qwen35_bench import run_transfer
+
+        started = not ray.is_initialized()
+        if started:
+            ray.init(num_cpus=max(os.cpu_count() or 2, 2), include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        try:
+            return run_transfer(args)
+        finally:
+            if started:
+                ray.shutdown()
 
     with tempfile.TemporaryDirectory(prefix="duet-transfer-") as tmp:
         model_dir = _model_dir(args, Path(tmp))

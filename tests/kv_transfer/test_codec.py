@@ -106,9 +106,9 @@ def test_push_summary_is_versioned() -> None:
 def test_lease_round_trips_through_msgpack_with_a_version() -> None:
     lease = Lease("r1", 4, make_layout("bfloat16"), "gloo", "127.0.0.1:1234/d0", 1e9)
     d = msgpack.unpackb(msgpack.packb(lease.to_dict()))
-    assert d["version"] == 1 and Lease.from_dict(d) == lease
-    with pytest.raises(ProtocolError, match="version 2"):
-        Lease.from_dict({**d, "version": 2})
+    assert d["version"] == 2 and Lease.from_dict(d) == lease  # 2: state frames (None here); 1 still parses
+    with pytest.raises(ProtocolError, match="version 3"):
+        Lease.from_dict({**d, "version": 3})
     with pytest.raises(ProtocolError, match="version None"):
         Lease.from_dict({k: v for k, v in d.items() if k != "version"})
     with pytest.raises(ProtocolError, match="malformed"):
