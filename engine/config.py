@@ -121,8 +121,9 @@ class TextConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything the runtime needs to know about a checkpoint: the LLaVA architecture (``family == "llava"``, a
-    fixed number of visual tokens per image) or a Qwen3-VL family (``"qwen3_vl"``, Qwen3.5 too: native-resolution vision, the
-    visual-token count follows each image's grid, M-RoPE, DeepStack)."""
+    fixed number of visual tokens per image) or a Qwen3-VL family (``"qwen3_vl"``, Qwen3.5 too: native-resolution
+    vision, the visual-token count follows each image's grid, M-RoPE, DeepStack; Qwen3.5's hybrid text model is
+    ``TextConfig.is_hybrid``)."""
 
     text: TextConfig
     vision: VisionConfig | QwenVisionConfig | None

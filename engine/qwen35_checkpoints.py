@@ -7,7 +7,8 @@ one of two key layouts (observed with transformers 5.24):
 ``layout="published"`` -- what ``save_pretrained`` writes, which is the released checkpoints' layout
 (Qwen/Qwen3.5-35B-A3B): ``model.language_model.*``, ``model.visual.*``, ``lm_head.weight`` (absent when tied); one
 tensor per expert ``mlp.experts.N.{gate,up,down}_proj.weight`` (transformers 5 fuses them on load and splits them
-again on save); GDN layers ``linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,conv1d,norm,out_proj,A_log,dt_bias}``; gated
+again on save); GDN layers ``linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,conv1d,norm,out_proj,A_log,
+dt_bias}``; gated
 attention ``self_attn.q_proj`` of ``2 * heads * head_dim`` rows (per head: query rows, then gate rows); the shared
 expert ``mlp.shared_expert.{gate,up,down}_proj`` and ``mlp.shared_expert_gate [1, H]``.
 
@@ -129,8 +130,9 @@ def build_qwen35_config(spec: Qwen35TinySpec) -> transformers.PreTrainedConfig:
 
 @torch.no_grad()
 def _reinit35_(model: torch.nn.Module, seed: int) -> None:
-    """The LLaVA builder's init rules, zero-centred norm weights around 0, and GDN decays: ``A = exp(A_log)`` around 1 and ``dt_bias`` around 1, so
-    states decay over a few tokens to a few tens (every token's contribution stays visible in the logits)."""
+    """The LLaVA builder's init rules, zero-centred norm weights around 0, and GDN decays: ``A = exp(A_log)`` around
+    1 and ``dt_bias`` around 1, so states decay over a few tokens to a few tens (every token's contribution stays
+    visible in the logits)."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith(("A_log", "dt_bias")):

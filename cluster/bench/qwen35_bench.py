@@ -168,7 +168,8 @@ def run_engine(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, model_dir: Path, load_start: tuple, body: dict, header: list[str],
             rows: list[list[str]]) -> int:
     """Write the JSON (``body`` plus the model, machine load and time) and print the table."""
-    doc = {"model": "qwen3.5-moe", "model_dir": str(model_dir), "spec": None if args.model_dir else asdict(Qwen35TinySpec() if args.quick else BENCH_SPEC),
+    spec = None if args.model_dir else asdict(Qwen35TinySpec() if args.quick else BENCH_SPEC)
+    doc = {"model": "qwen3.5-moe", "model_dir": str(model_dir), "spec": spec,
            **body, "torch_threads": torch.get_num_threads(),
            "load_average": {"start": load_start, "end": os.getloadavg()},
            "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}

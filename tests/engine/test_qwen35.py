@@ -86,7 +86,8 @@ def test_batch_of_mixed_requests(ckpt, reference):
 
 @pytest.mark.parametrize("variant", ["fused-sharded", "dense"])
 def test_layouts_and_dense_family(ckpts, ckpt, reference, variant):
-    path = ckpts(variant, **(dict(layout="fused", sharded=True) if variant == "fused-sharded" else dict(text="qwen3_5")))
+    overrides = dict(layout="fused", sharded=True) if variant == "fused-sharded" else dict(text="qwen3_5")
+    path = ckpts(variant, **overrides)
     ref = reference if variant == "fused-sharded" else load_qwen35_reference(path)
     assert ModelConfig.from_pretrained(path).text.is_moe == (variant != "dense")
     images = [image(7, SIZES["100x61"])]
