@@ -331,6 +331,8 @@ class KVManager(abc.ABC):
     supports_gpu_direct: ClassVar[bool] = False  # payloads may stay on the GPU end to end
     cross_process: ClassVar[bool] = True  # sender and receiver may live in different processes
     cross_host: ClassVar[bool] = True  # ... and on different hosts
+    # senders may dial the decode side through an HTTP CONNECT proxy (constructor argument ``proxy="host:port"``)
+    dials_through_proxy: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod

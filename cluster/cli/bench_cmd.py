@@ -17,6 +17,7 @@ BENCH_COMMANDS = {
     "kv-codec": "cluster.bench.kvcodec_bench:run",
     "experts": "cluster.bench.experts_bench:run",
     "serve": "cluster.bench.serve_bench:run",
+    "chaos": "cluster.bench.chaos:run",
 }
 
 
@@ -40,3 +41,6 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     from cluster.bench.serve_bench import add_arguments as add_serve_bench_arguments
 
     add_serve_bench_arguments(bsub.add_parser("serve", help="open-loop serving: colocated engine vs disaggregated"))
+    from cluster.bench.chaos import add_arguments as add_chaos_arguments
+
+    add_chaos_arguments(bsub.add_parser("chaos", help="chaos soak of duet serve: faults under open-loop load"))

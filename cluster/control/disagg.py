@@ -175,7 +175,7 @@ class DisaggCluster(ClusterOps):
         common = {"num_threads": max(1, int(spec.cpus_per_worker)), "compression": spec.compression_policy(),
                   "cpus": self._next_cpus() if spec.pin_cpus else None, "secret": self._secret}
         if role == "prefill":
-            extra = {"stream_layers": spec.stream_layers}
+            extra = {"stream_layers": spec.stream_layers, "kv_proxy": spec.kv_proxy}
         else:
             extra = {"lease_base_s": spec.lease_base_s, "lease_min_rate_bps": spec.lease_min_rate_bps,
                      "expert_parallel": expert_parallel, "expert_tiers": spec.tier_config()}

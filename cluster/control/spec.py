@@ -8,6 +8,7 @@ from pathlib import Path
 from decode_node.expert_tiers import TIER_POLICIES, TierConfig
 from engine.config import DTYPES, ModelConfig, TextConfig
 from engine.errors import InvalidRequestError
+from kv_transfer import get_manager_class
 
 TRANSPORTS = ("inproc", "gloo", "nccl", "grpc")
 DATA_PLANE_AUTH = ("hmac", "off")
@@ -25,6 +26,9 @@ class ClusterSpec:
     # the KV data plane: "hmac" (default) admits a peer only with its lease's token and MACs every frame with a key
     # derived from a per-cluster secret (kv_transfer.auth); "off" trusts whatever reaches the workers' ports
     data_plane_auth: str = "hmac"
+    # "host:port" of an HTTP CONNECT proxy the prefill workers dial the decode workers' KV endpoints through (a
+    # transport with dials_through_proxy: grpc); the chaos soak's stalling / corrupting proxy. None: direct
+    kv_proxy: str | None = None
     dtype: str = "float32"
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -93,6 +97,9 @@ class ClusterSpec:
                                       f"{self.data_plane_auth!r}")
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {list(DTYPES)}")
+        if self.kv_proxy is not None and not get_manager_class(self.transport).dials_through_proxy:
+            raise InvalidRequestError(f"kv_proxy needs a transport that dials through a proxy (grpc), not "
+                                      f"{self.transport!r}")
         if self.transport == "nccl" and self.gpus_per_worker <= 0:
             raise InvalidRequestError("the nccl transport needs GPU workers (gpus_per_worker > 0)")
         cfg = ModelConfig.from_pretrained(self.model_dir)  # fail here, not in an actor, on an unusable checkpoint

@@ -11,7 +11,7 @@ import grpc
 
 from cluster.control.errors import DecodeInterruptedError, RequestTimeoutError, TransferFailedError
 from cluster.serve.limits import Overloaded
-from engine.errors import DuetError, InvalidRequestError, OutOfBlocksError
+from engine.errors import DuetError, InvalidRequestError, OutOfBlocksError, is_retryable
 
 
 class ModelNotFoundError(InvalidRequestError):
@@ -58,4 +58,6 @@ def classify(e: BaseException) -> ErrorInfo:
                          "unavailable", msg)
     if isinstance(e, RequestTimeoutError):
         return ErrorInfo(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout", None, "timeout", msg)
+    if isinstance(e, DuetError) and is_retryable(e):  # another pair could not serve it either: the pool is healing
+        return ErrorInfo(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", None, "unavailable", msg)
     return ErrorInfo(grpc.StatusCode.INTERNAL, 500, "server_error", None, "error", f"internal error: {msg}")

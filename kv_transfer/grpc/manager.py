@@ -32,22 +32,26 @@ CHUNK_BYTES = 4 << 20
 
 
 class Manager(KVManager):
-    """gRPC transport manager. ``max_concurrent``: Push calls served at once (one handler thread each)."""
+    """gRPC transport manager. ``max_concurrent``: Push calls served at once (one handler thread each). ``proxy``
+    ("host:port"): this side's Push calls dial the decode side through that HTTP CONNECT proxy (a site's egress
+    proxy; the chaos soak's fault proxy, :mod:`cluster.bench.chaos.proxy`)."""
 
     name = "grpc"
     supports_gpu_direct = False
     cross_process = True
     cross_host = True
+    dials_through_proxy = True
 
     def __init__(self, *, worker_id: str | None = None, host: str = "127.0.0.1", port: int = 0,
                  codec: str = "identity", chunk_bytes: int = CHUNK_BYTES, max_concurrent: int = 32,
-                 secret: ClusterSecret | None = None) -> None:
+                 secret: ClusterSecret | None = None, proxy: str | None = None) -> None:
         if not 0 < chunk_bytes <= CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes}")
         self._worker_id = worker_id or f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._codec: Codec = get_codec(codec)
         self._auth = DataPlaneAuth(secret)  # None: data_plane_auth "off"
         self._chunk_bytes = chunk_bytes
+        self._proxy = proxy
         self._limit = chunk_bytes + (1 << 20)  # room for a large header message
         self._lock = threading.Lock()
         self._live: dict[tuple[str, str], Transfer] = {}
@@ -149,5 +153,7 @@ class Manager(KVManager):
             if channel is None:
                 options = [("grpc.max_send_message_length", self._limit),
                            ("grpc.max_receive_message_length", self._limit)]
+                if self._proxy:
+                    options.append(("grpc.http_proxy", f"http://{self._proxy}"))
                 channel = self._channels[endpoint] = grpc.insecure_channel(endpoint, options=options)
             return channel
