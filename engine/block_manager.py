@@ -22,6 +22,7 @@ with a slot, and :meth:`free` releases both, so one admission rule covers both k
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
@@ -45,6 +46,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.unreferenced: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
+        # called with the hash of each cached block evicted (reused for new KV): a prefix cache's owner may tell
+        # others what it no longer holds (the prefill worker tells the front-end's router)
+        self.on_evict: Callable[[bytes], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -137,6 +141,8 @@ class BlockManager:
         if block.hash is not None:
             if self.hash_to_block.get(block.hash) == bid:
                 del self.hash_to_block[block.hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.hash)
             block.hash = None
         block.ref_count = 1
         seq.block_table.append(bid)

@@ -47,15 +47,21 @@ class PrefillActor(WorkerActorBase):
                 except BaseException:
                     sender.abort("prefill rejected the request")
                     raise
-                registered = self.worker.take_registered()  # the front-end's prefix index (cluster.control.router)
+                prefix = self.worker.take_prefix_changes()  # the front-end's prefix index (cluster.control.router)
         except messages.REPLY_ERRORS as e:
             return messages.error_reply(e)
         self.wake.set()
-        return messages.pack(ok=True, registered=registered)
+        return messages.pack(ok=True, **prefix)
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
             return self.worker.abort(request_id)
+
+    def prefix_changes(self) -> bytes:
+        """The prefix-cache changes since the last report (a submit reply or this): the front-end asks every
+        second, so an eviction reaches its router even when no request comes here."""
+        with self.lock:
+            return messages.pack(**self.worker.take_prefix_changes())
 
     def stats(self) -> bytes:
         with self.lock:

@@ -34,12 +34,12 @@ from kv_transfer.compression import (
     resolve_policy,
 )
 from kv_transfer.handoff import Handoff, generator_to_state
+from prefill_node.prefix_feed import PrefixFeed
 
 logger = logging.getLogger(__name__)
 
 
 QUERY_WINDOW = 32  # the prompt's last queries that score KV channels and tokens for pruning
-REGISTERED_MAX = 4096  # block hashes kept for the next submit reply (the front-end's index holds as many)
 
 
 class PrefillWorker:
@@ -62,8 +62,9 @@ class PrefillWorker:
         self._visual: dict[str, torch.Tensor] = {}  # request id -> prompt positions that are image tokens (codec)
         self.faults = Faults()
         # prefix-cache feed for the front-end's router (cluster.control.router.PrefixIndex): block hashes this worker
-        # registered since the last submit reply (bounded: a front-end that stops asking loses only hints)
-        self.registered: list[bytes] = []
+        # registered and evicted since the last submit reply
+        self.prefix_feed = PrefixFeed()
+        self.engine.block_manager.on_evict = self.prefix_feed.evicted
         self.prompt_tokens = 0  # prompts finished here, and their tokens found in the prefix cache (hit rate)
         self.cached_tokens = 0
 
@@ -119,10 +120,10 @@ class PrefillWorker:
             done.append(rid)
         return done
 
-    def take_registered(self) -> list[bytes]:
-        """The block hashes registered in the prefix cache since the last call (oldest first)."""
-        out, self.registered = self.registered, []
-        return out
+    def take_prefix_changes(self) -> dict:
+        """The block hashes registered in / evicted from the prefix cache since the last call
+        (:meth:`prefill_node.prefix_feed.PrefixFeed.take`)."""
+        return self.prefix_feed.take()
 
     def _note_prefix(self, seq: Sequence) -> None:
         """Count ``seq``'s prefix-cache hit and remember the hashes of its full prompt blocks, which the engine has
@@ -130,8 +131,7 @@ class PrefillWorker:
         self.prompt_tokens += seq.num_prompt_tokens
         self.cached_tokens += seq.num_cached_tokens
         if self.engine.block_manager.enable_prefix_caching:  # off for hybrid models, whatever the config says
-            self.registered.extend(seq.block_hash(i) for i in range(seq.num_prompt_tokens // seq.block_size))
-            del self.registered[:-REGISTERED_MAX]
+            self.prefix_feed.registered(seq.block_hash(i) for i in range(seq.num_prompt_tokens // seq.block_size))
 
     def _export(self, layer: int, seqs: list[Sequence]) -> None:
         last = layer == self.engine.model_config.text.num_layers - 1

@@ -12,6 +12,10 @@ for a pair, in this order (all on the front-end's event loop):
 3. :meth:`PrefillAdmission.observe` at the first token (the worker's measured speed) and
    :meth:`PrefillAdmission.release` (the charge given back; waiters wake and ask again).
 
+Each worker's :class:`~cluster.control.router.PrefixIndex` follows its prefix cache from the worker's reports
+(:func:`apply_prefix_report`): one comes in every submit reply, and :meth:`PrefillAdmission.report_prefixes` asks
+for one every ``PREFIX_REPORT_S``, so an eviction is learnt even when no request goes there.
+
 The pure algorithms are in :mod:`cluster.control.router`; this module holds the state they read.
 """
 
@@ -29,7 +33,9 @@ from cluster.control.spec import ClusterSpec
 from engine import SamplingParams
 from engine.errors import OutOfBlocksError
 from engine.sequence import Sequence
+from node_common import messages
 
+PREFIX_REPORT_S = 1.0  # how often each prefill worker is asked for its prefix-cache changes (evictions included)
 PREFILL_QUEUE_LEASE_FRACTION = 0.5  # a prefill worker's admitted work, in measured seconds, vs lease_base_s
 SPEED_EWMA = 0.2  # weight of the newest submit-to-first-token sample in a prefill worker's speed
 
@@ -91,6 +97,22 @@ class PrefillAdmission:
         pw.predicted_cached_tokens += pick.cached_tokens
         return pw, charge
 
+    async def report_prefixes(self, live: Callable[[], list[Worker]], *, timeout_s: float = 10.0) -> None:
+        """Forever (a task on the front-end loop; cancel it): every ``PREFIX_REPORT_S`` ask each of ``live()`` for
+        its prefix-cache changes. A worker that does not answer is skipped (its death is the healer's to see)."""
+        if not self.prefix_caching:
+            return
+
+        async def ask(w: Worker) -> None:
+            async def call() -> bytes:
+                return await w.actor.prefix_changes.remote()
+
+            apply_prefix_report(w, messages.unpack(await asyncio.wait_for(call(), timeout=timeout_s)))
+
+        while True:
+            await asyncio.sleep(PREFIX_REPORT_S)
+            await asyncio.gather(*(ask(w) for w in live()), return_exceptions=True)
+
     def load_of(self, w: Worker, n_prompt: int, hashes: list[bytes]) -> PrefillLoad:
         """``w`` as :func:`~cluster.control.router.pick_prefill` sees it for a prompt of ``n_prompt`` tokens."""
         cached = cached_prefix_tokens(w.prefix, hashes, self.block_size)
@@ -132,6 +154,13 @@ class PrefillAdmission:
             if not f.done():
                 f.set_result(None)
         return False
+
+
+def apply_prefix_report(w: Worker, report: dict) -> int:
+    """Fold a prefill worker's prefix report (``prefix_seq, registered, evicted``: a submit reply or a
+    ``prefix_changes`` reply) into its index; returns the report's number."""
+    w.prefix.update(report["prefix_seq"], report["registered"], report["evicted"])
+    return report["prefix_seq"]
 
 
 def pick_decode_worker(decodes: list[Worker], blocks: int, *, draining: Any,

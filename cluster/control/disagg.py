@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from cluster.control.admission import PrefillAdmission, Worker, pick_decode_worker
+from cluster.control.admission import PrefillAdmission, Worker, apply_prefix_report, pick_decode_worker
 from cluster.control.cluster_ops import ClusterOps, await_ref
 from cluster.control.completion import Completion, collect
 from cluster.control.errors import DecodeInterruptedError, RequestTimeoutError, TransferFailedError
@@ -106,6 +106,8 @@ class DisaggCluster(ClusterOps):
         self._pollers = [asyncio.run_coroutine_threadsafe(self._poll(w), self._loop) for w in self.decodes]
         self._poller_of = {w.load.worker_id: f for w, f in zip(self.decodes, self._pollers, strict=True)}
         self._healing_task = asyncio.run_coroutine_threadsafe(self._healer.run(), self._loop)
+        self._prefix_task = asyncio.run_coroutine_threadsafe(self.admission.report_prefixes(self._open_prefills),
+                                                             self._loop)
 
     # -------------------------------------------------------------------------------------------------- public API
     async def generate(self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None
@@ -238,6 +240,7 @@ class DisaggCluster(ClusterOps):
 
         self._closing = True  # the healer sees no members from now on and a replacement starting is killed
         self._healing_task.cancel()
+        self._prefix_task.cancel()
         try:
             asyncio.run_coroutine_threadsafe(self._healer.stop(), self._loop).result(timeout=5)
         except Exception:  # noqa: BLE001 - a replacement mid-start is killed by _install
@@ -316,7 +319,8 @@ class DisaggCluster(ClusterOps):
             decode.load.free_blocks = reply["free_blocks"]
             try:
                 to_prefill = messages.pack(**body, prompt=wire["prefill"], lease=reply["lease"])
-                pw.prefix.add(messages.unpack(await _remote(pw.actor.submit, to_prefill, deadline))["registered"])
+                submitted_at = apply_prefix_report(pw, messages.unpack(await _remote(pw.actor.submit, to_prefill,
+                                                                                     deadline)))
             except ray.exceptions.RayActorError:
                 prefill.alive = False
                 decode.actor.abort.remote(rid)
@@ -341,7 +345,7 @@ class DisaggCluster(ClusterOps):
                 if admitted and item.get("token_ids"):
                     self.admission.observe(pw, time.monotonic() - submitted, queued)
                     admitted = self.admission.release(pw, charged)
-                    pw.prefix.add(hashes)  # its prefill registered them (the next submit reply confirms)
+                    pw.prefix.add_predicted(hashes, submitted_at)  # registered (the next report confirms)
                 if placement is not None and item.get("token_ids"):
                     item, placement = {**item, "placement": placement}, None
                 yield item

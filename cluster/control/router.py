@@ -93,14 +93,32 @@ def pick_decode(loads: list[WorkerLoad], blocks_needed: int, *, exclude: frozens
 
 
 class PrefixIndex:
-    """The block hashes one prefill worker has recently registered in its prefix cache, least recently seen first,
-    at most ``capacity`` of them. An approximation: the worker may have evicted a block this still lists (the cost
-    is one placement that finds less cached than predicted), never a correctness issue."""
+    """The block hashes one prefill worker's prefix cache holds, as far as the front-end knows: least recently seen
+    first, at most ``capacity`` of them (16 bytes each). Fed two ways:
+
+    * :meth:`update` -- the worker's numbered report (:meth:`prefill_node.prefix_feed.PrefixFeed.take`, in each
+      submit reply and asked for every second): hashes it registered and hashes it evicted since its previous report.
+      Evicted ones are forgotten, so a worker that reused those blocks no longer attracts prompts for that prefix.
+      Reports may arrive out of order: a hash keeps the state of the latest report that named it.
+    * :meth:`add_predicted` -- the front-end's own prediction when a request placed there gets its first token (its
+      prefill registered its blocks), ahead of the report that confirms it. The request was submitted at report
+      ``since``; a hash reported evicted by a later report is not added back (the eviction may have come after the
+      registration), and a later report's eviction removes what was predicted. Recently evicted hashes are
+      remembered for this, at most ``capacity`` of them.
+
+    Still an approximation (a report past the worker's feed bound loses changes; the cost is one placement that
+    finds less or more cached than predicted), never a correctness issue.
+
+    Worked example (capacity 2): report 1 registered a, b -> holds a, b; report 3 evicted a -> holds b; report 2
+    (late) registered a, c -> holds b, c (a's eviction in report 3 is later). A request submitted at report 3 gets
+    its first token after report 4 evicted b: ``add_predicted([b, d], since=3)`` adds only d -> holds c, d.
+    """
 
     def __init__(self, capacity: int = PREFIX_INDEX_SIZE) -> None:
         assert capacity > 0
         self.capacity = capacity
-        self._hashes: OrderedDict[bytes, None] = OrderedDict()
+        self._hashes: OrderedDict[bytes, int] = OrderedDict()  # hash -> the report it is known registered at
+        self._evicted: OrderedDict[bytes, int] = OrderedDict()  # recently evicted hash -> the report that said so
 
     def __contains__(self, h: bytes) -> bool:
         return h in self._hashes
@@ -108,9 +126,30 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._hashes)
 
-    def add(self, hashes: Iterable[bytes]) -> None:
+    def update(self, seq: int, registered: Iterable[bytes], evicted: Iterable[bytes]) -> None:
+        """Apply the worker's report number ``seq`` (>= 1; a hash in at most one of the two lists)."""
+        assert seq >= 1, seq
+        for h in evicted:
+            if self._hashes.get(h, 0) < seq:  # else a later report (or prediction) has it registered
+                self._hashes.pop(h, None)
+            if self._evicted.get(h, 0) < seq:
+                self._evicted[h] = seq
+                self._evicted.move_to_end(h)
+        _trim(self._evicted, self.capacity)
+        self._add((h for h in registered if self._evicted.get(h, 0) < seq), seq)
+
+    def add_predicted(self, hashes: Iterable[bytes], since: int) -> None:
+        """Add ``hashes``, just registered by a request submitted at report ``since``, except those a later report
+        evicted."""
+        self._add((h for h in hashes if self._evicted.get(h, 0) <= since), since)
+
+    def _add(self, hashes: Iterable[bytes], seq: int) -> None:
         for h in hashes:
-            self._hashes[h] = None
+            self._hashes[h] = max(seq, self._hashes.get(h, 0))
             self._hashes.move_to_end(h)
-        while len(self._hashes) > self.capacity:
-            self._hashes.popitem(last=False)
+        _trim(self._hashes, self.capacity)
+
+
+def _trim(d: OrderedDict, capacity: int) -> None:
+    while len(d) > capacity:
+        d.popitem(last=False)

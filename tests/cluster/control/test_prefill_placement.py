@@ -66,3 +66,49 @@ def test_the_hit_rate_is_in_the_metrics(two_prefill):
     sampler.refresh()
     text = metrics.render().decode()
     assert "duet_prefix_cache_hit_rate" in text and "duet_prefill_cached_tokens" in text
+
+
+def _evict_prefix_cache(actor) -> None:
+    """Inside a prefill actor: take every free block (evicting every cached one, as new prompts would), then free
+    them uncached."""
+    import ray
+
+    def evict(actor_self):
+        from engine import SamplingParams
+        from engine.sequence import Sequence
+
+        with actor_self.lock:
+            bm = actor_self.worker.engine.block_manager
+            seq = Sequence(0, "evict", [0], 1, SamplingParams(), bm.block_size)
+            assert bm.append_slots(seq, bm.num_free_blocks * bm.block_size)
+            bm.free(seq)
+
+    ray.get(actor.__ray_call__.remote(evict), timeout=30)
+
+
+def test_a_worker_that_evicted_a_prefix_no_longer_attracts_it(two_prefill):
+    """The router's index follows the worker's evictions (its periodic report): once the holder evicted an image
+    prefix, placement predicts no hit for it there any more (and the worker indeed finds none)."""
+    import time
+
+    c = two_prefill
+    img = make_image(seed=81)
+    prompt = make_request(2, seed=6, images=[img] * 4)
+    hashes = c.admission.block_hashes(c.prepare(prompt)[0])
+    n = len(c.prepare(prompt)[0].token_ids)
+    holder_id = _prefill_of(c.generate_batch([prompt], greedy(2))[0])
+    holder = next(w for w in c.prefills if w.load.worker_id == holder_id)
+    assert c.admission.load_of(holder, n, hashes).cached_tokens >= 12  # 3 of its 4 blocks: the holder is preferred
+
+    _evict_prefix_cache(holder.actor)
+    end = time.monotonic() + 30
+    while any(h in holder.prefix for h in hashes):  # the next report (every PREFIX_REPORT_S) says so
+        assert time.monotonic() < end, "the eviction never reached the router"
+        time.sleep(0.1)
+    assert all(c.admission.load_of(w, n, hashes).cached_tokens == 0 for w in c.prefills)
+
+    before = c.prefix_summary(c.status())
+    c.generate_batch([make_request(2, seed=7, images=[img] * 4)], greedy(2))
+    after = c.prefix_summary(c.status())
+    assert after["predicted_cached_tokens"] == before["predicted_cached_tokens"]  # no hit predicted anywhere ...
+    assert after["cached_tokens"] == before["cached_tokens"]  # ... and none found: the prefix was really gone

@@ -68,7 +68,7 @@ def test_only_workers_with_room_are_picked():
 
 def test_cached_prefix_counts_leading_blocks_only():
     idx = PrefixIndex(8)
-    idx.add([b"h0", b"h1", b"h3"])
+    idx.update(1, [b"h0", b"h1", b"h3"], [])
     assert cached_prefix_tokens(idx, [b"h0", b"h1", b"h2", b"h3"], 4) == 8
     assert cached_prefix_tokens(idx, [b"x", b"h1"], 4) == 0
     assert cached_prefix_tokens(idx, [], 4) == 0
@@ -76,9 +76,9 @@ def test_cached_prefix_counts_leading_blocks_only():
 
 def test_prefix_index_is_a_bounded_lru():
     idx = PrefixIndex(3)
-    idx.add([b"a", b"b", b"c"])
-    idx.add([b"a"])  # seen again: most recent
-    idx.add([b"d"])
+    idx.update(1, [b"a", b"b", b"c"], [])
+    idx.update(2, [b"a"], [])  # seen again: most recent
+    idx.add_predicted([b"d"], since=2)
     assert len(idx) == 3 and b"b" not in idx and b"a" in idx and b"d" in idx
 
 
@@ -87,3 +87,34 @@ def test_decode_goes_to_most_free_blocks_that_fit():
     assert pick_decode(loads, 5).worker_id == "d1"
     assert pick_decode(loads, 5, exclude=frozenset({"d1"})).worker_id == "d0"
     assert pick_decode(loads, 40) is None
+
+
+def test_prefix_index_forgets_evicted_blocks_the_docstring_example():
+    idx = PrefixIndex(2)
+    idx.update(1, [b"a", b"b"], [])
+    idx.update(3, [], [b"a"])
+    assert b"a" not in idx and cached_prefix_tokens(idx, [b"a", b"b"], 4) == 0  # a's holder no longer attracts it
+    idx.update(2, [b"a", b"c"], [])  # late: a's eviction in report 3 is newer
+    assert b"a" not in idx and b"b" in idx and b"c" in idx
+    idx.update(4, [], [b"b"])
+    idx.add_predicted([b"b", b"d"], since=3)  # b was evicted after that request's submit: not added back
+    assert list(idx._hashes) == [b"c", b"d"]
+
+
+def test_a_prediction_yields_to_a_later_eviction_not_an_earlier_one():
+    idx = PrefixIndex(8)
+    idx.add_predicted([b"p"], since=5)
+    idx.update(5, [], [b"p"])  # the same report as the submit reply: before the request's own prefill
+    assert b"p" in idx
+    idx.update(6, [], [b"p"])  # after it: gone
+    assert b"p" not in idx
+    idx.update(7, [b"p"], [])  # registered again
+    assert b"p" in idx
+
+
+def test_prefix_index_memory_is_bounded_under_churn():
+    idx = PrefixIndex(16)
+    for seq in range(1, 200):
+        idx.update(seq, [seq.to_bytes(4, "big")], [(seq - 1).to_bytes(4, "big"), (seq + 10_000).to_bytes(4, "big")])
+    assert len(idx) <= 16 and len(idx._evicted) <= 16
+    assert (199).to_bytes(4, "big") in idx and (198).to_bytes(4, "big") not in idx
