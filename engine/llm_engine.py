@@ -21,6 +21,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cpu_tuning import tune_malloc
 from engine.decode_mirror import reserved_bytes
 from engine.errors import CheckpointError, InvalidRequestError, OutOfBlocksError
+from engine.grammar import GrammarFactory
 from engine.inputs import InputProcessor, ProcessedPrompt, image_processor_for
 from engine.model import LlavaModel
 from engine.model_runner import ModelRunner
@@ -101,7 +102,9 @@ class LLMEngine:
         self.kv_exporter: Callable[[int, list[Sequence]], None] | None = None
         # The per-request logits-processor hook (structured outputs): called once per sequence (each choice) with its
         # params; what it returns edits that sequence's logits before every sample (engine.sampler.LogitsProcessor).
-        self.logits_processor_factory: Callable[[SamplingParams], LogitsProcessor | None] | None = None
+        # Default: structured outputs (engine.grammar: a grammar mask for params with structured_outputs).
+        self.logits_processor_factory: Callable[[SamplingParams], LogitsProcessor | None] | None = GrammarFactory(
+            self.tokenizer, cfg.text.vocab_size, self.eos_token_ids)
         # n > 1: choice 0's first sample also draws the other choices' first tokens; True forks them into sequences
         # sharing the prompt's blocks here; prefill workers set False and hand them to the decode side instead
         # (Sequence.pending_choices)

@@ -19,6 +19,7 @@ vector ops over the vocabulary, O(batch) Python per step.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -65,11 +66,33 @@ def suppress_stop_tokens(logits: torch.Tensor, rows: list[int], banned: list[lis
             logits[r, ids] = float("-inf")
 
 
+class BatchedLogitsProcessor(ABC):
+    """A :class:`LogitsProcessor` whose class edits every row it owns in one call (e.g. grammar masks filled into
+    one bitmask and applied in one masked fill): :func:`apply_logits_processors` calls :meth:`apply_batch` once per
+    step and class, with the rows in order, instead of each row's :meth:`apply`."""
+
+    @abstractmethod
+    def apply(self, logits: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def accept(self, token_id: int) -> None: ...
+
+    @classmethod
+    @abstractmethod
+    def apply_batch(cls, logits: torch.Tensor, rows: list[int], procs: list) -> None:
+        """In place on ``logits [S, V]``: ``procs[i]`` edits row ``rows[i]``."""
+
+
 def apply_logits_processors(logits: torch.Tensor, processors: list[LogitsProcessor | None]) -> None:
-    """In place: each row's processor (None: nothing to do) edits its row."""
+    """In place: each row's processor (None: nothing to do) edits its row; batched ones once per class."""
+    batched: dict[type, list[int]] = {}
     for r, proc in enumerate(processors):
-        if proc is not None:
+        if isinstance(proc, BatchedLogitsProcessor):
+            batched.setdefault(type(proc), []).append(r)
+        elif proc is not None:
             proc.apply(logits[r])
+    for cls, rows in batched.items():
+        cls.apply_batch(logits, rows, [processors[r] for r in rows])
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

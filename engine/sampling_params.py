@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.grammar_spec import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
@@ -51,8 +52,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match (engine.grammar)
 
     def __post_init__(self) -> None:
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

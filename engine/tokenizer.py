@@ -77,6 +77,11 @@ class Tokenizer:
         return cls(backend, config, _read_json(model_dir / "generation_config.json"),
                    template if isinstance(template, str) else None)
 
+    def backend_json(self) -> str:
+        """The backend's ``tokenizer.json`` text, with the added tokens loaded beside it (a grammar library's
+        token index is built from it)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """Id of ``token`` (vocabulary or added token), or ``None`` if unknown."""
         return self._backend.token_to_id(token)
