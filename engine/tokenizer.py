@@ -126,10 +126,12 @@ class Tokenizer:
             body += image_ids + (self.encode(piece, add_special_tokens=False) if piece else [])
         return self._prefix_ids + body + self._suffix_ids, len(pieces) - 1
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str | None:
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str | None:
         """Render ``messages`` with the checkpoint's chat template the way transformers does (sandboxed jinja2,
         ``trim_blocks``/``lstrip_blocks``, special tokens as variables). Returns ``None`` when the checkpoint has no
-        template or jinja2 is not installed; a template error raises :class:`InvalidRequestError`."""
+        template or jinja2 is not installed; a template error raises :class:`InvalidRequestError`. ``tools``
+        (OpenAI function tools) is the template's ``tools`` variable, as transformers passes it."""
         if self.chat_template is None:
             return None
         try:
@@ -144,7 +146,7 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise_template_error
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special)
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self._special)
         except jinja2.TemplateError as err:
             raise InvalidRequestError(f"chat template failed: {err}") from None
 

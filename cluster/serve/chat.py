@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cluster.serve.tool_calls import parser_for, plain_tool_messages
 from engine.config import ModelConfig
 from engine.inputs import IMAGE_TOKEN, QWEN_IMAGE_PAD
 from engine.tokenizer import Tokenizer
@@ -31,15 +32,23 @@ def content_parts(text: str) -> list[dict[str, Any]]:
     return parts
 
 
-def render_chat(tokenizer: Tokenizer, cfg: ModelConfig, messages: list[dict[str, Any]]) -> str | None:
+def render_chat(tokenizer: Tokenizer, cfg: ModelConfig, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> str | None:
     """The conversation rendered with the checkpoint's template (with the assistant's generation prompt); ``None``
-    when the checkpoint has no template. Raises :class:`~engine.errors.InvalidRequestError` when it fails."""
+    when the checkpoint has no template. Raises :class:`~engine.errors.InvalidRequestError` when it fails.
+
+    ``tools`` (OpenAI function tools) and the messages' ``tool_calls`` / ``tool`` role reach a template that renders
+    them (it names ``tools``); for one that does not, :func:`~cluster.serve.tool_calls.plain_tool_messages` writes
+    them into the messages in the model family's own tool-call syntax (its parser's)."""
+    if tokenizer.chat_template is not None and "tools" not in tokenizer.chat_template:
+        messages = plain_tool_messages(messages, tools, parser_for(cfg.text.model_type))
+        tools = None
     if cfg.is_qwen_vl:
         # the pads the output must hold: one per <image>, plus any the text already writes in the checkpoint's markers
         num_pads = sum(m["content"].count(IMAGE_TOKEN) + m["content"].count(QWEN_IMAGE_PAD) for m in messages)
         parted = [{**m, "content": content_parts(m["content"])} if IMAGE_TOKEN in m["content"] else m
                   for m in messages]
-        text = tokenizer.apply_chat_template(parted)
+        text = tokenizer.apply_chat_template(parted, tools=tools)
         if text is None or text.count(QWEN_IMAGE_PAD) == num_pads:
             return text
-    return tokenizer.apply_chat_template(messages)
+    return tokenizer.apply_chat_template(messages, tools=tools)

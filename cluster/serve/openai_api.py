@@ -27,6 +27,7 @@ from cluster.serve.openai_requests import chat_input, completion_from_body, stre
 from cluster.serve.openapi import openapi_document
 from cluster.serve.schema import DeltaEvent, FinalEvent, GenerateInput
 from cluster.serve.service import InferenceService
+from cluster.serve.tool_calls import ToolStream, reply_message, tool_parser
 from engine.errors import InvalidRequestError
 from engine.outputs import TokenLogprobs
 
@@ -82,6 +83,9 @@ class _Reply:
         self.streaming = bool(body.get("stream"))
         self.offsets: dict[int, int] = {}  # completions: text returned so far per choice (logprobs text_offset)
         self.prompt: dict | None = None  # echo with logprobs: the prompt tokens' logprobs (completions' shape)
+        # chat with tools: the model family's tool-call parser (sets the calls' grammar for required / named)
+        self.parser = tool_parser(inp.tools, inp.sampling, service.cluster.inputs.cfg.text.model_type) if chat else None
+        self.tool_streams: dict[int, ToolStream] = {}
 
     def note(self, ev: DeltaEvent) -> None:
         if ev.prompt_logprobs is not None and self.echo and self.want_logprobs:
@@ -94,6 +98,19 @@ class _Reply:
             return chat_logprobs(self.tok, lps or [])
         out = completion_logprobs(self.tok, lps or [], self.offsets.get(index, len(self.echo)))
         return joined(self.prompt, out) if index not in self.offsets and not self.streaming else out
+
+    def tool_delta(self, index: int, text: str) -> tuple[str, list]:
+        """Streaming chat with tools: the content part of ``text`` and the calls it completed."""
+        if self.parser is None:
+            return text, []
+        return self.tool_streams.setdefault(index, ToolStream(self.parser)).push(text)
+
+    def tool_end(self, index: int) -> tuple[str, list]:
+        return self.tool_streams[index].finish() if index in self.tool_streams else ("", [])
+
+    def finish_reason(self, index: int, finish: str) -> str:
+        stream = self.tool_streams.get(index)
+        return "tool_calls" if stream is not None and stream.calls and finish == "stop" else finish
 
     def advance(self, index: int, text: str) -> None:
         self.offsets[index] = self.offsets.get(index, len(self.echo)) + len(text)
@@ -131,7 +148,7 @@ async def _serve(request: web.Request, inp: GenerateInput, body: dict, chat: boo
             choice: dict = {"index": end.index, "finish_reason": _finish(end.finish_reason),
                             "logprobs": reply.logprobs(end.index, lps[end.index])}
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"], choice["finish_reason"] = reply_message(reply.parser, text, choice["finish_reason"])
             else:
                 choice["text"] = text
             choices.append(choice)
@@ -159,6 +176,11 @@ async def _stream(request: web.Request, events: AsyncIterator, meta: dict, kind:
             choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": lps}
         return {**meta, "object": f"{kind}.chunk" if chat else kind, "choices": [choice]}
 
+    def tool_chunk(index: int, call) -> dict:
+        delta = {"tool_calls": [call.openai(reply.tool_streams[index].calls.index(call))]}
+        return {**meta, "object": f"{kind}.chunk", "choices": [{"index": index, "delta": delta, "finish_reason": None,
+                                                               "logprobs": None}]}
+
     started: set[int] = set()  # choices whose role chunk (chat) or echo (completions) was sent
     ev = first
     try:
@@ -169,13 +191,21 @@ async def _stream(request: web.Request, events: AsyncIterator, meta: dict, kind:
                 if i not in started and (chat or reply.echo):
                     await send(chunk(i, reply.echo if not chat else "", None, role=chat, lps=reply.prompt))
                 started.add(i)
-                if ev.text or (reply.want_logprobs and ev.token_ids):
+                text, calls = reply.tool_delta(i, ev.text)
+                if text or (reply.want_logprobs and ev.token_ids):
                     lps = reply.logprobs(i, ev.logprobs) if ev.token_ids else None
-                    await send(chunk(i, ev.text, None, lps=lps))
-                    reply.advance(i, ev.text)
+                    await send(chunk(i, text, None, lps=lps))
+                    reply.advance(i, text)
+                for call in calls:
+                    await send(tool_chunk(i, call))
             else:
                 for end in ev.choices:
-                    await send(chunk(end.index, None, _finish(end.finish_reason)))
+                    text, calls = reply.tool_end(end.index)
+                    if text:
+                        await send(chunk(end.index, text, None))
+                    for call in calls:
+                        await send(tool_chunk(end.index, call))
+                    await send(chunk(end.index, None, reply.finish_reason(end.index, _finish(end.finish_reason))))
                 if include_usage:
                     await send({**meta, "object": f"{kind}.chunk" if chat else kind, "choices": [],
                                 "usage": _usage(ev)})

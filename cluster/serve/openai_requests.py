@@ -19,6 +19,8 @@ import binascii
 from typing import Any
 
 from cluster.serve.schema import GenerateInput, ImageInput, SamplingOptions
+from cluster.serve.structured import response_format_spec
+from cluster.serve.tool_calls import message_tool_fields, tools_from_body
 from engine.errors import InvalidRequestError, UnsupportedInputError
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
 
@@ -47,7 +49,7 @@ _SAMPLING_FIELDS = {"model", "stream", "stream_options", "temperature", "top_p",
                     "user", "metadata", "store", "service_tier"}  # the last four change no token
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                                   "response_format"}
-COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo"}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "response_format"}
 NOT_SERVED = {"logit_bias": "logit_bias is not supported", "best_of": "best_of is not supported (use n)",
               "suffix": "suffix (insertion) is not supported", "functions": "functions is not supported",
               "function_call": "function_call is not supported", "audio": "audio output is not supported",
@@ -102,11 +104,6 @@ def sampling_from_body(body: dict, logprobs: int | None = None) -> SamplingOptio
     n = _field(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise InvalidRequestError(f"'n' must be in [1, {MAX_N}], got {n}")
-    if body.get("tools"):
-        raise InvalidRequestError("tools are not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise InvalidRequestError("'response_format' other than {\"type\": \"text\"} is not supported")
     stop = _field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
@@ -122,7 +119,8 @@ def sampling_from_body(body: dict, logprobs: int | None = None) -> SamplingOptio
         stop_token_ids=_int_list(body, "stop_token_ids"), stop=stop,
         ignore_eos=_field(body, "ignore_eos", bool, False), seed=_field(body, "seed", int, None),
         presence_penalty=_float(body, "presence_penalty", 0.0), frequency_penalty=_float(body, "frequency_penalty", 0.0),
-        repetition_penalty=_float(body, "repetition_penalty", 1.0), logprobs=logprobs, n=n)
+        repetition_penalty=_float(body, "repetition_penalty", 1.0), logprobs=logprobs, n=n,
+        structured_outputs=response_format_spec(body.get("response_format")))
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
@@ -181,7 +179,7 @@ def chat_from_body(body: dict) -> tuple[list[dict], list[ImageInput]]:
             text = ""
         else:
             raise InvalidRequestError(f"messages[{i}].content must be a string or a list of parts")
-        out.append({"role": m.get("role"), "content": text})
+        out.append({"role": m.get("role"), "content": text, **message_tool_fields(m, i)})
     return out, images
 
 
@@ -210,4 +208,4 @@ def chat_input(body: dict) -> GenerateInput:
     check_fields(body, CHAT_FIELDS)
     messages, images = chat_from_body(body)
     return GenerateInput(messages=messages, images=images, sampling=sampling_from_body(body, _chat_logprobs(body)),
-                         model=_field(body, "model", str, ""))
+                         model=_field(body, "model", str, ""), tools=tools_from_body(body))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 from engine.outputs import TokenLogprobs
@@ -35,6 +36,7 @@ class SamplingOptions:
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the k most likely tokens'
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions' echo)
     n: int = 1
+    structured_outputs: Any = None  # engine.grammar_spec.StructuredOutputsParams (cluster.serve.structured)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class GenerateInput:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     model: str = ""
     request_id: str = ""
+    tools: Any = None  # cluster.serve.tool_calls.ToolRequest (chat with tools)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID_LEN = 128
 
 
@@ -230,7 +230,7 @@ class InferenceService:
         if req.prompt_token_ids is not None:
             prompt: dict = {"prompt_token_ids": list(req.prompt_token_ids)}
         elif req.messages is not None:
-            prompt = {"prompt": self._render_chat(req.messages)}
+            prompt = {"prompt": self._render_chat(req.messages, req.tools.rendered if req.tools else None)}
         else:
             text = req.prompt or ""
             if not text.strip():
@@ -243,7 +243,7 @@ class InferenceService:
             prompt["multi_modal_data"] = {"image": images}
         return prompt
 
-    def _render_chat(self, messages: list[dict]) -> str:
+    def _render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if not messages:
             raise InvalidRequestError("messages is empty")
         for i, m in enumerate(messages):
@@ -255,7 +255,7 @@ class InferenceService:
         if not any(m["content"].strip() for m in messages):
             raise InvalidRequestError("the prompt is empty")
         tok = self.cluster.tokenizer
-        text = render_chat(tok, self.cluster.inputs.cfg, messages) if tok is not None else None
+        text = render_chat(tok, self.cluster.inputs.cfg, messages, tools) if tok is not None else None
         if text is None:
             raise InvalidRequestError("this model has no chat template; send a raw prompt (/v1/completions, or "
                                       "prompt with raw_prompt)")
@@ -276,7 +276,7 @@ class InferenceService:
             max_tokens=max_tokens, min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos, seed=s.seed, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty, logprobs=s.logprobs,
-            prompt_logprobs=s.prompt_logprobs, n=s.n)
+            prompt_logprobs=s.prompt_logprobs, n=s.n, structured_outputs=s.structured_outputs)
 
     # ------------------------------------------------------------------------------------------- the rest
     def abort(self, request_id: str) -> bool:
