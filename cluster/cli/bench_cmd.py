@@ -18,6 +18,7 @@ BENCH_COMMANDS = {
     "experts": "cluster.bench.experts_bench:run",
     "serve": "cluster.bench.serve_bench:run",
     "chaos": "cluster.bench.chaos:run",
+    "structured": "cluster.bench.structured_bench:run",
 }
 
 
@@ -44,3 +45,6 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     from cluster.bench.chaos import add_arguments as add_chaos_arguments
 
     add_chaos_arguments(bsub.add_parser("chaos", help="chaos soak of duet serve: faults under open-loop load"))
+    from cluster.bench.structured_bench import add_arguments as add_structured_arguments
+
+    add_structured_arguments(bsub.add_parser("structured", help="structured outputs' per-token cost vs free generation"))

@@ -87,17 +87,37 @@ def _content_part() -> dict[str, Any]:
     return {"anyOf": [text, image]}
 
 
+def _tool() -> dict[str, Any]:
+    fn = _obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9_.\\-]{1,64}$"}, "description": {"type": "string"},
+               "parameters": {"type": "object", "description": "a JSON Schema (it must compile: a 400 otherwise)"}},
+              ("name",))
+    return _obj({"type": {"const": "function"}, "function": fn}, ("type", "function"))
+
+
+def _response_format() -> dict[str, Any]:
+    """cluster.serve.structured: text, json_object, or json_schema (a schema that does not compile is a 400)."""
+    schema = _obj({"name": {"type": "string"}, "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})},
+                  ("schema",))
+    return {"anyOf": [_obj({"type": {"enum": ["text", "json_object"]}}, ("type",)),
+                      _obj({"type": {"const": "json_schema"}, "json_schema": schema}, ("type", "json_schema"))]}
+
+
 def _chat_request() -> dict[str, Any]:
     message = _obj({
-        "role": {"enum": ["system", "user", "assistant"]},
+        "role": {"enum": ["system", "user", "assistant", "tool"]},
+        "tool_calls": _nullable({"type": "array", "items": _obj({"function": _obj({"name": {"type": "string"}},
+                                                                               ("name",))}, ("function",))}),
         "content": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": _content_part()}]}),
     }, ("role",))
     return _obj({"messages": {"type": "array", "items": message, "minItems": 1}, **_sampling_properties(),
                  "logprobs": _nullable({"type": "boolean"}),
                  "top_logprobs": _nullable(_int(0, MAX_LOGPROBS, description="needs logprobs: true")),
-                 "tools": _nullable({"type": "array", "maxItems": 0, "description": "not served yet"}),
-                 "tool_choice": {}, "parallel_tool_calls": {},
-                 "response_format": _nullable(_obj({"type": {"const": "text"}}, ("type",)))},
+                 "tools": _nullable({"type": "array", "items": _tool(), "maxItems": 128}),
+                 "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, _obj(
+                     {"type": {"const": "function"}, "function": _obj({"name": {"type": "string"}}, ("name",))},
+                     ("type", "function"), description="a function named in tools (tools required)")]}),
+                 "parallel_tool_calls": _nullable({"type": "boolean"}),
+                 "response_format": _nullable(_response_format())},
                 ("messages",), additionalProperties=_UNKNOWN)
 
 
@@ -108,6 +128,7 @@ def _completion_request() -> dict[str, Any]:
                          "items": {"anyOf": [{"type": "string", "minLength": 1}, ids]}}],
               "description": "text (as is, no chat template), token ids, or a batch of exactly one of those"}
     return _obj({"prompt": prompt, "echo": _nullable({"type": "boolean"}), **_sampling_properties(),
+                 "response_format": _nullable(_response_format()),
                  "logprobs": _nullable(_int(0, MAX_LOGPROBS, description="alternatives beside the sampled token"))},
                 ("prompt",), additionalProperties=_UNKNOWN)
 
@@ -119,9 +140,13 @@ def _usage() -> dict[str, Any]:
 
 
 def _completion_response(chat: bool) -> dict[str, Any]:
-    finish = {"enum": ["stop", "length"]}
+    finish = {"enum": ["stop", "length", "tool_calls"] if chat else ["stop", "length"]}
     if chat:
-        body = {"message": _obj({"role": {"const": "assistant"}, "content": {"type": "string"}}, ("role", "content"))}
+        call = _obj({"id": {"type": "string"}, "type": {"const": "function"},
+                     "function": _obj({"name": {"type": "string"}, "arguments": {"type": "string"}},
+                                      ("name", "arguments"))}, ("id", "type", "function"))
+        body = {"message": _obj({"role": {"const": "assistant"}, "content": _nullable({"type": "string"}),
+                                 "tool_calls": {"type": "array", "items": call}}, ("role", "content"))}
     else:
         body = {"text": {"type": "string"}}
     choice = _obj({"index": _int(0), "finish_reason": finish, "logprobs": _nullable({"type": "object"}), **body},
