@@ -26,6 +26,7 @@ import re
 import threading
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.errors import InvalidRequestError
@@ -37,9 +38,6 @@ if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-_BITS = torch.arange(32, dtype=torch.int32)
-
 
 class GrammarError(InvalidRequestError):
     """A structured-outputs spec that does not compile (bad JSON Schema, regex or grammar)."""
@@ -136,21 +134,23 @@ class GrammarProcessor(BatchedLogitsProcessor):
     def apply_batch(cls, logits: torch.Tensor, rows: list[int], procs: list[GrammarProcessor]) -> None:
         """In place on ``logits [S, V]``: row ``rows[i]`` keeps only what ``procs[i]``'s grammar allows next."""
         v = logits.shape[-1]
-        words = max(p.words for p in procs)
-        mask = torch.zeros((len(procs), words), dtype=torch.int32)
+        mask = torch.zeros((len(procs), max(p.words for p in procs)), dtype=torch.int32)
         for i, p in enumerate(procs):
             p.fill(mask, i)
-        allowed = ((mask.unsqueeze(-1) >> _BITS) & 1).reshape(len(procs), -1)[:, :v].bool()
+        # bit k of word w is token 32 w + k: the little-endian bytes of the words, unpacked least significant first
+        bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits[:, :v]).to(torch.bool)
         if allowed.shape[1] < v:  # logits wider than the tokenizer: padded rows are never text
             allowed = torch.nn.functional.pad(allowed, (0, v - allowed.shape[1]))
         allowed = allowed.to(logits.device)
-        index = torch.tensor(rows, device=logits.device)
-        sub = logits.index_select(0, index)
-        masked = sub.masked_fill(~allowed, float("-inf"))
-        dead = torch.isneginf(masked).all(dim=-1)  # min_tokens suppressed all the grammar allows: the grammar wins
+        whole = len(rows) == logits.shape[0]  # every row constrained: edit in place, no gather
+        sub = logits if whole else logits[rows]
+        sub.masked_fill_(~allowed, float("-inf"))
+        dead = torch.isneginf(sub).all(dim=-1)  # min_tokens suppressed all the grammar allows: the grammar wins
         if bool(dead.any()):
-            masked[dead] = torch.where(allowed[dead], 0.0, float("-inf"))
-        logits.index_copy_(0, index, masked)
+            sub[dead] = torch.where(allowed[dead], 0.0, float("-inf"))
+        if not whole:
+            logits[rows] = sub
 
     def fill(self, mask: torch.Tensor, i: int) -> None:
         """Row ``i`` of ``mask`` (contiguous int32): the tokens allowed next (only EOS after an error)."""
