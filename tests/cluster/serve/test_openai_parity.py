@@ -155,7 +155,7 @@ NOT_SERVED = {
     "n out of range": ({"n": 0}, "'n'"),
     "stream_options without stream": ({"stream_options": {"include_usage": True}}, "stream_options"),
     "bad penalty": ({"presence_penalty": 5}, "presence_penalty"),
-    "json mode": ({"response_format": {"type": "json_object"}}, "response_format"),
+    "unknown response_format": ({"response_format": {"type": "yaml"}}, "response_format"),
 }
 # (echo with logprobs is served: test_echo_with_logprobs_returns_the_prompts_logprobs)
 
