@@ -164,7 +164,10 @@ class Client:
         return [message_to_dict(m) for m in resp.models]
 
     def cluster_status(self, *, timeout: float = 10.0) -> dict:
-        """Workers, their queues and KV use, in-flight requests, expert load summary."""
+        """Workers, their queues and KV use, in-flight requests, expert load summary, and the pool healer's state:
+        each worker's ``healing`` (``WORKER_HEALING_RESPAWNING`` / ``WORKER_HEALING_GIVEN_UP`` for a dead one) and
+        ``healing`` ``{prefill_respawns, decode_respawns, given_up: [worker ids], respawning: [worker ids]}`` (a
+        version-1 server sends neither: ``WORKER_HEALING_UNSPECIFIED`` and zeros / empty lists)."""
         return message_to_dict(self._unary(self._stub.ClusterStatus,
                                            pb.ClusterStatusRequest(api_version=API_VERSION), timeout))
 

@@ -1,9 +1,10 @@
 """``duet status [--target HOST:PORT]``: a table of a running ``duet serve`` cluster.
 
 One ``ClusterStatus`` call through the SDK (:meth:`duet_client.Client.cluster_status`); a preamble line with the
-model, transport, in-flight requests and KV use, one row per worker (role, liveness, queue depths, KV blocks), and the
-expert balancedness (mean / max expert load per layer; 1.0 is even). ``--json`` prints the raw status instead.
-Transfer figures (bytes, GB/s per transport) are not part of ``ClusterStatus``; they are on the server's Prometheus
+model, transport, in-flight requests and KV use, one row per worker (role, liveness -- a dead worker with the pool
+healer's state, ``NO/respawning`` or ``NO/given-up`` --, queue depths, KV blocks), the healer's respawns and the
+workers it gave up on, and the expert balancedness (mean / max expert load per layer; 1.0 is even). ``--json``
+prints the raw status instead. Transfer figures (bytes, GB/s per transport) are not part of ``ClusterStatus``; they are on the server's Prometheus
 ``/metrics``.
 """
 
@@ -50,7 +51,7 @@ def status_table(s: dict) -> str:
     for w in s.get("workers", []):
         total, free = w.get("total_blocks", 0), w.get("free_blocks", 0)
         rows.append([w.get("worker_id", "?"), w.get("role", "").removeprefix("WORKER_ROLE_").lower(),
-                     "yes" if w.get("alive") else "NO", str(w.get("waiting", 0)), str(w.get("running", 0)),
+                     _alive(w), str(w.get("waiting", 0)), str(w.get("running", 0)),
                      str(w.get("receiving", 0)), str(w.get("outstanding_tokens", 0)),
                      f"{total - free}/{total}" if total else "-"])
     out = head + "\n" + format_table(header, rows)
@@ -60,4 +61,18 @@ def status_table(s: dict) -> str:
         out += (f"\nexperts: {ex.get('num_experts')} x {ex.get('num_layers')} layers, {ex.get('tokens_routed')} "
                 f"routed, balancedness min {min(bal):.2f} mean {sum(bal) / len(bal):.2f}, placement "
                 f"{ex.get('placement') or '-'}")
+    h = s.get("healing") or {}
+    respawns = h.get("prefill_respawns", 0) + h.get("decode_respawns", 0)
+    if respawns or h.get("given_up") or h.get("respawning"):
+        out += (f"\nhealing: respawned {h.get('prefill_respawns', 0)} prefill / {h.get('decode_respawns', 0)} decode"
+                f"; respawning {', '.join(h.get('respawning', [])) or '-'}"
+                f"; GIVEN UP (no longer respawned) {', '.join(h.get('given_up', [])) or '-'}")
     return out
+
+
+def _alive(w: dict) -> str:
+    """``yes``, or ``NO`` with the pool healer's state (``NO/respawning``, ``NO/given-up``)."""
+    if w.get("alive"):
+        return "yes"
+    healing = w.get("healing", "WORKER_HEALING_UNSPECIFIED").removeprefix("WORKER_HEALING_")
+    return "NO" if healing == "UNSPECIFIED" else f"NO/{healing.lower().replace('_', '-')}"

@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 API_VERSION = 2  # 2: penalties, logprobs, n (fields added; version-1 requests mean the same)
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 _ROLES = {"prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE}
+# a status row's "healing" (cluster.control.pool_healer.PoolHealer.state_of)
+_HEALING = {"respawning": pb.WORKER_HEALING_RESPAWNING, "given_up": pb.WORKER_HEALING_GIVEN_UP}
 
 
 def request_from_proto(req: pb.GenerateRequest) -> GenerateInput:
@@ -127,21 +129,29 @@ class DuetServicer(pb_grpc.DuetServicer):
         return pb.ListModelsResponse(api_version=API_VERSION, models=[pb.ModelInfo(**self.service.model_info())])
 
     async def ClusterStatus(self, request: pb.ClusterStatusRequest, context) -> pb.ClusterStatusResponse:
-        st = await self.service.status()
-        workers = [pb.WorkerStatus(
-            worker_id=w["worker_id"], role=_ROLES[w["role"]], alive=w["alive"], waiting=w.get("waiting", 0),
-            running=w.get("running", 0), receiving=w.get("receiving", 0),
-            outstanding_tokens=w.get("outstanding_tokens", 0), free_blocks=w.get("free_blocks", 0),
-            total_blocks=w.get("total_blocks", 0), prompt_tokens=w.get("prompt_tokens", 0),
-            cached_tokens=w.get("cached_tokens", 0), kv_pool_bytes=w.get("kv_pool_bytes", 0),
-            kv_mirror_bytes=w.get("kv_mirror_bytes", 0)) for w in st["workers"]]
-        return pb.ClusterStatusResponse(
-            api_version=API_VERSION, model=st["model"], transport=st["transport"], workers=workers,
-            in_flight=st["in_flight"], max_concurrent=st["max_concurrent"], kv_usage=st["kv_usage"],
-            experts=pb.ExpertSummary(**st["experts"]), requests_served=st["requests_served"],
-            draining=st["draining"], prefix_hit_rate=st["prefix_cache"]["hit_rate"] or 0.0,
-            predicted_prefix_hit_rate=st["prefix_cache"]["predicted_hit_rate"] or 0.0,
-            kv_memory_bytes=st["kv_memory"]["total_bytes"])
+        return status_to_proto(await self.service.status())
+
+
+def status_to_proto(st: dict) -> pb.ClusterStatusResponse:
+    """:meth:`InferenceService.status <cluster.serve.service.InferenceService.status>` as ``ClusterStatusResponse``."""
+    workers = [pb.WorkerStatus(
+        worker_id=w["worker_id"], role=_ROLES[w["role"]], alive=w["alive"], waiting=w.get("waiting", 0),
+        running=w.get("running", 0), receiving=w.get("receiving", 0),
+        outstanding_tokens=w.get("outstanding_tokens", 0), free_blocks=w.get("free_blocks", 0),
+        total_blocks=w.get("total_blocks", 0), prompt_tokens=w.get("prompt_tokens", 0),
+        cached_tokens=w.get("cached_tokens", 0), kv_pool_bytes=w.get("kv_pool_bytes", 0),
+        kv_mirror_bytes=w.get("kv_mirror_bytes", 0),
+        healing=_HEALING.get(w.get("healing"), pb.WORKER_HEALING_UNSPECIFIED)) for w in st["workers"]]
+    h = st["healing"]  # cluster.control.cluster_ops.ClusterOps.healing
+    healing = pb.PoolHealing(prefill_respawns=h["respawns"]["prefill"], decode_respawns=h["respawns"]["decode"],
+                             given_up=h["given_up"]["prefill"] + h["given_up"]["decode"], respawning=h["respawning"])
+    return pb.ClusterStatusResponse(
+        api_version=API_VERSION, model=st["model"], transport=st["transport"], workers=workers,
+        in_flight=st["in_flight"], max_concurrent=st["max_concurrent"], kv_usage=st["kv_usage"],
+        experts=pb.ExpertSummary(**st["experts"]), requests_served=st["requests_served"],
+        draining=st["draining"], prefix_hit_rate=st["prefix_cache"]["hit_rate"] or 0.0,
+        predicted_prefix_hit_rate=st["prefix_cache"]["predicted_hit_rate"] or 0.0,
+        kv_memory_bytes=st["kv_memory"]["total_bytes"], healing=healing)
 
 
 async def _abort_with(context: grpc.aio.ServicerContext, e: BaseException) -> None:

@@ -312,7 +312,7 @@ class InferenceService:
                 "experts": {**self.expert_load.summary(), "placement": placement_summary(decode)},
                 "requests_served": self.requests_served, "draining": self.draining,
                 "prefix_cache": self.cluster.prefix_summary(workers),
-                "kv_memory": self.cluster.kv_memory_summary(workers)}
+                "kv_memory": self.cluster.kv_memory_summary(workers), "healing": self.cluster.healing()}
 
     def healthy(self) -> bool:
         return not self.draining and any(w.load.alive for w in self.cluster.decodes) and \

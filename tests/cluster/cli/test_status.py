@@ -16,6 +16,7 @@ from duet_client._proto.duet.v1.duet_pb2_grpc import (
     add_DuetServicer_to_server,
 )
 from duet_client.request import API_VERSION
+from duet_client.types import message_to_dict
 
 STATUS = pb.ClusterStatusResponse(
     api_version=API_VERSION, model="demo", transport="gloo", in_flight=3, max_concurrent=64, kv_usage=0.25,
@@ -66,3 +67,30 @@ def test_unreachable_server_is_an_error_line(capsys):
 
 def test_table_of_an_empty_status():
     assert "decode KV use 0%" in status_table({})
+
+
+def test_the_table_shows_the_pool_healers_state():
+    st = pb.ClusterStatusResponse(
+        api_version=API_VERSION, model="demo", workers=[
+            pb.WorkerStatus(worker_id="prefill-2", role=pb.WORKER_ROLE_PREFILL, alive=False,
+                            healing=pb.WORKER_HEALING_GIVEN_UP),
+            pb.WorkerStatus(worker_id="decode-1", role=pb.WORKER_ROLE_DECODE, alive=False,
+                            healing=pb.WORKER_HEALING_RESPAWNING),
+            pb.WorkerStatus(worker_id="decode-3", role=pb.WORKER_ROLE_DECODE, alive=False)],
+        healing=pb.PoolHealing(prefill_respawns=2, decode_respawns=1, given_up=["prefill-2"], respawning=["decode-1"]))
+    d = message_to_dict(st)
+    assert d["workers"][0]["healing"] == "WORKER_HEALING_GIVEN_UP" and d["healing"]["given_up"] == ["prefill-2"]
+    out = status_table(d)
+    alive = {ln.split()[0]: ln.split()[2] for ln in out.splitlines() if ln.startswith(("prefill-", "decode-"))}
+    assert alive == {"prefill-2": "NO/given-up", "decode-1": "NO/respawning", "decode-3": "NO"}
+    assert ("healing: respawned 2 prefill / 1 decode; respawning decode-1; GIVEN UP (no longer respawned) prefill-2"
+            in out)
+
+
+def test_a_version_1_status_reads_as_no_healing():
+    """A version-1 server's answer has neither field: every worker UNSPECIFIED, zero counts, no healing line."""
+    old = pb.ClusterStatusResponse(api_version=1, workers=[pb.WorkerStatus(worker_id="decode-0", alive=True)])
+    d = message_to_dict(pb.ClusterStatusResponse.FromString(old.SerializeToString()))
+    assert d["workers"][0]["healing"] == "WORKER_HEALING_UNSPECIFIED" and d["healing"]["given_up"] == []
+    assert "healing" not in status_table(d)
+    assert "healing" not in status_table(message_to_dict(STATUS))

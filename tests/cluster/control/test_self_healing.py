@@ -15,6 +15,7 @@ import pytest
 from cluster.control.disagg import DisaggCluster
 from cluster.control.spec import ClusterSpec
 from engine import LLM
+from duet_client._proto.duet.v1 import duet_pb2 as pb
 from engine.errors import DuetError
 from tests.conftest import greedy, make_image, make_request
 
@@ -51,6 +52,19 @@ def _full(cluster, n_prefill: int, n_decode: int) -> bool:
     rows = cluster.status(timeout_s=5)
     alive = {role: sum(r["alive"] for r in rows if r["role"] == role) for role in ("prefill", "decode")}
     return alive == {"prefill": n_prefill, "decode": n_decode} and len(rows) == n_prefill + n_decode
+
+
+def _grpc_status(cluster):
+    """What the gRPC ``ClusterStatus`` of a server over ``cluster`` answers."""
+    from cluster.serve.grpc_api import status_to_proto
+    from cluster.serve.limits import Limits
+    from cluster.serve.service import InferenceService
+
+    service = InferenceService(cluster, Limits(), "demo")
+    try:
+        return status_to_proto(asyncio.run(service.status()))
+    finally:
+        service.close()
 
 
 def _assert_idle(cluster):
@@ -122,6 +136,11 @@ def test_a_crash_looping_worker_is_given_up(ray_cluster, tiny_model_dir):
         text = m.render().decode()
         assert 'duet_workers_given_up{role="prefill"} 1.0' in text
         assert 'duet_worker_respawns_total{role="prefill"} 2.0' in text
+        st = _grpc_status(c)  # the gRPC ClusterStatus says so too
+        gone = [w for w in st.workers if w.role == pb.WORKER_ROLE_PREFILL]
+        assert len(gone) == 1 and not gone[0].alive and gone[0].healing == pb.WORKER_HEALING_GIVEN_UP
+        assert list(st.healing.given_up) == [gone[0].worker_id] and st.healing.prefill_respawns == 2
+        assert all(w.healing == pb.WORKER_HEALING_UNSPECIFIED for w in st.workers if w.alive)
         with pytest.raises(DuetError):  # typed, at once: no prefill worker left
             c.generate_batch([make_request(5, seed=1)], greedy(2), timeout_s=30)
     finally:

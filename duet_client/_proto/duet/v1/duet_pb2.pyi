@@ -20,6 +20,12 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
     WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
+
+class WorkerHealing(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_HEALING_UNSPECIFIED: _ClassVar[WorkerHealing]
+    WORKER_HEALING_RESPAWNING: _ClassVar[WorkerHealing]
+    WORKER_HEALING_GIVEN_UP: _ClassVar[WorkerHealing]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -27,6 +33,9 @@ FINISH_REASON_ABORT: FinishReason
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
+WORKER_HEALING_UNSPECIFIED: WorkerHealing
+WORKER_HEALING_RESPAWNING: WorkerHealing
+WORKER_HEALING_GIVEN_UP: WorkerHealing
 
 class Image(_message.Message):
     __slots__ = ("data", "mime_type")
@@ -301,7 +310,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self, api_version: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "alive", "waiting", "running", "receiving", "outstanding_tokens", "free_blocks", "total_blocks", "prompt_tokens", "cached_tokens", "kv_pool_bytes", "kv_mirror_bytes")
+    __slots__ = ("worker_id", "role", "alive", "waiting", "running", "receiving", "outstanding_tokens", "free_blocks", "total_blocks", "prompt_tokens", "cached_tokens", "kv_pool_bytes", "kv_mirror_bytes", "healing")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +324,7 @@ class WorkerStatus(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_MIRROR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEALING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     alive: bool
@@ -328,7 +338,20 @@ class WorkerStatus(_message.Message):
     cached_tokens: int
     kv_pool_bytes: int
     kv_mirror_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., alive: _Optional[bool] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., kv_mirror_bytes: _Optional[int] = ...) -> None: ...
+    healing: WorkerHealing
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., alive: _Optional[bool] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., kv_mirror_bytes: _Optional[int] = ..., healing: _Optional[_Union[WorkerHealing, str]] = ...) -> None: ...
+
+class PoolHealing(_message.Message):
+    __slots__ = ("prefill_respawns", "decode_respawns", "given_up", "respawning")
+    PREFILL_RESPAWNS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_RESPAWNS_FIELD_NUMBER: _ClassVar[int]
+    GIVEN_UP_FIELD_NUMBER: _ClassVar[int]
+    RESPAWNING_FIELD_NUMBER: _ClassVar[int]
+    prefill_respawns: int
+    decode_respawns: int
+    given_up: _containers.RepeatedScalarFieldContainer[str]
+    respawning: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prefill_respawns: _Optional[int] = ..., decode_respawns: _Optional[int] = ..., given_up: _Optional[_Iterable[str]] = ..., respawning: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExpertSummary(_message.Message):
     __slots__ = ("num_layers", "num_experts", "tokens_routed", "balancedness", "hottest_expert", "placement")
@@ -347,7 +370,7 @@ class ExpertSummary(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[int] = ..., balancedness: _Optional[_Iterable[float]] = ..., hottest_expert: _Optional[_Iterable[int]] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("api_version", "model", "transport", "workers", "in_flight", "max_concurrent", "kv_usage", "experts", "requests_served", "draining", "prefix_hit_rate", "predicted_prefix_hit_rate", "kv_memory_bytes")
+    __slots__ = ("api_version", "model", "transport", "workers", "in_flight", "max_concurrent", "kv_usage", "experts", "requests_served", "draining", "prefix_hit_rate", "predicted_prefix_hit_rate", "kv_memory_bytes", "healing")
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +384,7 @@ class ClusterStatusResponse(_message.Message):
     PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     KV_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEALING_FIELD_NUMBER: _ClassVar[int]
     api_version: int
     model: str
     transport: str
@@ -374,4 +398,5 @@ class ClusterStatusResponse(_message.Message):
     prefix_hit_rate: float
     predicted_prefix_hit_rate: float
     kv_memory_bytes: int
-    def __init__(self, api_version: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., kv_usage: _Optional[float] = ..., experts: _Optional[_Union[ExpertSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_rate: _Optional[float] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., kv_memory_bytes: _Optional[int] = ...) -> None: ...
+    healing: PoolHealing
+    def __init__(self, api_version: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., kv_usage: _Optional[float] = ..., experts: _Optional[_Union[ExpertSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_rate: _Optional[float] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., kv_memory_bytes: _Optional[int] = ..., healing: _Optional[_Union[PoolHealing, _Mapping]] = ...) -> None: ...
