@@ -54,7 +54,8 @@ class Completion:
 
     ``timeline`` has ``queue_seconds, preprocess_seconds, prefill_seconds, decode_seconds, ttft_seconds,
     total_seconds, attempts, prefill_worker, decode_worker`` and ``kv_transfer`` (``transport, bytes, wire_bytes,
-    layers, seconds, exposed_seconds``); ``vision_encode_seconds`` only when the server reports it.
+    layers, seconds, exposed_seconds``, and for hybrid models ``state_bytes, state_frames``: the GDN state moved
+    beside the KV); ``vision_encode_seconds`` only when the server reports it.
     """
 
     request_id: str

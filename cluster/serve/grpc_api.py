@@ -81,7 +81,9 @@ def final_to_proto(ev: FinalEvent) -> pb.GenerateFinal:
         kv_transfer=pb.KVTransfer(transport=kv.get("transport", ""), bytes=int(kv.get("bytes", 0)),
                                   wire_bytes=int(kv.get("wire_bytes", kv.get("bytes", 0))),
                                   layers=int(kv.get("layers", 0)), seconds=float(kv.get("seconds", 0.0)),
-                                  exposed_seconds=float(kv.get("exposed_seconds", 0.0))))
+                                  exposed_seconds=float(kv.get("exposed_seconds", 0.0)),
+                                  state_bytes=int(kv.get("state_bytes", 0)),
+                                  state_frames=int(kv.get("state_frames", 0))))
     usage = pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
                      total_tokens=ev.prompt_tokens + ev.completion_tokens)
     choices = [pb.ChoiceFinal(index=c.index, finish_reason=_FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
@@ -140,7 +142,8 @@ def status_to_proto(st: dict) -> pb.ClusterStatusResponse:
         outstanding_tokens=w.get("outstanding_tokens", 0), free_blocks=w.get("free_blocks", 0),
         total_blocks=w.get("total_blocks", 0), prompt_tokens=w.get("prompt_tokens", 0),
         cached_tokens=w.get("cached_tokens", 0), kv_pool_bytes=w.get("kv_pool_bytes", 0),
-        kv_mirror_bytes=w.get("kv_mirror_bytes", 0),
+        kv_mirror_bytes=w.get("kv_mirror_bytes", 0), kv_state_bytes=w.get("kv_state_bytes", 0),
+        prefix_cache_off=w.get("prefix_cache_off") or "",
         healing=_HEALING.get(w.get("healing"), pb.WORKER_HEALING_UNSPECIFIED)) for w in st["workers"]]
     h = st["healing"]  # cluster.control.cluster_ops.ClusterOps.healing
     healing = pb.PoolHealing(prefill_respawns=h["respawns"]["prefill"], decode_respawns=h["respawns"]["decode"],
@@ -151,7 +154,8 @@ def status_to_proto(st: dict) -> pb.ClusterStatusResponse:
         experts=pb.ExpertSummary(**st["experts"]), requests_served=st["requests_served"],
         draining=st["draining"], prefix_hit_rate=st["prefix_cache"]["hit_rate"] or 0.0,
         predicted_prefix_hit_rate=st["prefix_cache"]["predicted_hit_rate"] or 0.0,
-        kv_memory_bytes=st["kv_memory"]["total_bytes"], healing=healing)
+        kv_memory_bytes=st["kv_memory"]["total_bytes"], healing=healing,
+        kv_state_bytes=st["kv_memory"]["state_bytes"], prefix_cache_off_reason=st["prefix_cache"]["off_reason"] or "")
 
 
 async def _abort_with(context: grpc.aio.ServicerContext, e: BaseException) -> None:

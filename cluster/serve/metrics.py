@@ -232,6 +232,8 @@ _WORKER_GAUGES = (  # stats field, metric, help, roles that report it
     ("kv_mirror_bytes", "duet_kv_mirror_bytes",
      "Bytes of the worker's decode KV mirror (a second, contiguous copy of decoding sequences' KV)",
      ("prefill", "decode")),
+    ("kv_state_bytes", "duet_kv_state_bytes", "Bytes of the worker's GDN state slots (hybrid models; 0 otherwise)",
+     ("prefill", "decode")),
 )
 
 

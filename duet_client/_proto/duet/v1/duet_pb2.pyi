@@ -164,20 +164,24 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class KVTransfer(_message.Message):
-    __slots__ = ("transport", "bytes", "wire_bytes", "layers", "seconds", "exposed_seconds")
+    __slots__ = ("transport", "bytes", "wire_bytes", "layers", "seconds", "exposed_seconds", "state_bytes", "state_frames")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPOSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FRAMES_FIELD_NUMBER: _ClassVar[int]
     transport: str
     bytes: int
     wire_bytes: int
     layers: int
     seconds: float
     exposed_seconds: float
-    def __init__(self, transport: _Optional[str] = ..., bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., layers: _Optional[int] = ..., seconds: _Optional[float] = ..., exposed_seconds: _Optional[float] = ...) -> None: ...
+    state_bytes: int
+    state_frames: int
+    def __init__(self, transport: _Optional[str] = ..., bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., layers: _Optional[int] = ..., seconds: _Optional[float] = ..., exposed_seconds: _Optional[float] = ..., state_bytes: _Optional[int] = ..., state_frames: _Optional[int] = ...) -> None: ...
 
 class Timeline(_message.Message):
     __slots__ = ("queue_seconds", "preprocess_seconds", "vision_encode_seconds", "prefill_seconds", "kv_transfer", "decode_seconds", "ttft_seconds", "total_seconds", "attempts", "prefill_worker", "decode_worker")
@@ -310,7 +314,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self, api_version: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "alive", "waiting", "running", "receiving", "outstanding_tokens", "free_blocks", "total_blocks", "prompt_tokens", "cached_tokens", "kv_pool_bytes", "kv_mirror_bytes", "healing")
+    __slots__ = ("worker_id", "role", "alive", "waiting", "running", "receiving", "outstanding_tokens", "free_blocks", "total_blocks", "prompt_tokens", "cached_tokens", "kv_pool_bytes", "kv_mirror_bytes", "healing", "kv_state_bytes", "prefix_cache_off")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +329,8 @@ class WorkerStatus(_message.Message):
     KV_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_MIRROR_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEALING_FIELD_NUMBER: _ClassVar[int]
+    KV_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_OFF_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     alive: bool
@@ -339,7 +345,9 @@ class WorkerStatus(_message.Message):
     kv_pool_bytes: int
     kv_mirror_bytes: int
     healing: WorkerHealing
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., alive: _Optional[bool] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., kv_mirror_bytes: _Optional[int] = ..., healing: _Optional[_Union[WorkerHealing, str]] = ...) -> None: ...
+    kv_state_bytes: int
+    prefix_cache_off: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., alive: _Optional[bool] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., kv_mirror_bytes: _Optional[int] = ..., healing: _Optional[_Union[WorkerHealing, str]] = ..., kv_state_bytes: _Optional[int] = ..., prefix_cache_off: _Optional[str] = ...) -> None: ...
 
 class PoolHealing(_message.Message):
     __slots__ = ("prefill_respawns", "decode_respawns", "given_up", "respawning")
@@ -370,7 +378,7 @@ class ExpertSummary(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., tokens_routed: _Optional[int] = ..., balancedness: _Optional[_Iterable[float]] = ..., hottest_expert: _Optional[_Iterable[int]] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("api_version", "model", "transport", "workers", "in_flight", "max_concurrent", "kv_usage", "experts", "requests_served", "draining", "prefix_hit_rate", "predicted_prefix_hit_rate", "kv_memory_bytes", "healing")
+    __slots__ = ("api_version", "model", "transport", "workers", "in_flight", "max_concurrent", "kv_usage", "experts", "requests_served", "draining", "prefix_hit_rate", "predicted_prefix_hit_rate", "kv_memory_bytes", "healing", "kv_state_bytes", "prefix_cache_off_reason")
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +393,8 @@ class ClusterStatusResponse(_message.Message):
     PREDICTED_PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     KV_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEALING_FIELD_NUMBER: _ClassVar[int]
+    KV_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_OFF_REASON_FIELD_NUMBER: _ClassVar[int]
     api_version: int
     model: str
     transport: str
@@ -399,4 +409,6 @@ class ClusterStatusResponse(_message.Message):
     predicted_prefix_hit_rate: float
     kv_memory_bytes: int
     healing: PoolHealing
-    def __init__(self, api_version: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., kv_usage: _Optional[float] = ..., experts: _Optional[_Union[ExpertSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_rate: _Optional[float] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., kv_memory_bytes: _Optional[int] = ..., healing: _Optional[_Union[PoolHealing, _Mapping]] = ...) -> None: ...
+    kv_state_bytes: int
+    prefix_cache_off_reason: str
+    def __init__(self, api_version: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., kv_usage: _Optional[float] = ..., experts: _Optional[_Union[ExpertSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_rate: _Optional[float] = ..., predicted_prefix_hit_rate: _Optional[float] = ..., kv_memory_bytes: _Optional[int] = ..., healing: _Optional[_Union[PoolHealing, _Mapping]] = ..., kv_state_bytes: _Optional[int] = ..., prefix_cache_off_reason: _Optional[str] = ...) -> None: ...

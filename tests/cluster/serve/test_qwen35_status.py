@@ -1,0 +1,28 @@
+"""ClusterStatus (gRPC) of a hybrid model: GDN state bytes per worker and in total, and why prefix caching is off."""
+
+from __future__ import annotations
+
+from cluster.control.cluster_ops import ClusterOps
+from cluster.serve.grpc_api import status_to_proto
+
+REASON = "hybrid model: a prefix hit would restore the attention layers' KV but not the GDN layers' recurrent state"
+
+
+def _status(rows: list[dict]) -> dict:
+    return {"model": "m", "transport": "gloo", "workers": rows, "in_flight": 0, "max_concurrent": 8, "kv_usage": 0.0,
+            "experts": {}, "requests_served": 3, "draining": False, "prefix_cache": ClusterOps.prefix_summary(rows),
+            "kv_memory": ClusterOps.kv_memory_summary(rows),
+            "healing": {"respawns": {"prefill": 0, "decode": 0}, "given_up": {"prefill": [], "decode": []},
+                        "respawning": []}}
+
+
+def test_cluster_status_reports_state_bytes_and_the_prefix_cache_reason():
+    rows = [{"worker_id": "prefill-0", "role": "prefill", "alive": True, "kv_pool_bytes": 100, "kv_mirror_bytes": 10,
+             "kv_state_bytes": 7, "prefix_cache_off": REASON, "prompt_tokens": 40, "cached_tokens": 0},
+            {"worker_id": "decode-0", "role": "decode", "alive": True, "kv_pool_bytes": 200, "kv_mirror_bytes": 20,
+             "kv_state_bytes": 9}]
+    st = status_to_proto(_status(rows))
+    assert st.kv_state_bytes == 16 and st.kv_memory_bytes == 100 + 10 + 7 + 200 + 20 + 9
+    assert st.prefix_cache_off_reason == REASON and st.prefix_hit_rate == 0.0
+    assert [w.kv_state_bytes for w in st.workers] == [7, 9] and st.workers[0].prefix_cache_off == REASON
+    assert st.workers[1].prefix_cache_off == ""
