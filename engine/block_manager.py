@@ -110,8 +110,10 @@ class BlockManager:
         return True
 
     def can_fork(self, parent: Sequence, num_tokens: int) -> bool:
-        """Whether :meth:`fork` of ``parent``'s first ``num_tokens`` has the block it may need."""
-        return num_tokens % self.block_size == 0 or self.num_free_blocks >= 1
+        """Whether :meth:`fork` of ``parent``'s first ``num_tokens`` has the block it may need (and, hybrid models,
+        a state slot for the child)."""
+        slot = self.state_slots is None or self.state_slots.num_free > 0
+        return slot and (num_tokens % self.block_size == 0 or self.num_free_blocks >= 1)
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
         """Give ``child`` (no blocks yet) ``parent``'s KV for its first ``num_tokens`` tokens (computed): the full
@@ -126,6 +128,8 @@ class BlockManager:
             child.block_table.append(bid)
         child.num_computed_tokens = num_tokens
         child.num_registered_blocks = min(parent.num_registered_blocks, full)
+        if self.state_slots is not None:  # the caller copies the parent's state into it (ModelRunner.copy_state)
+            child.state_slot = self.state_slots.take()
         if num_tokens == full * self.block_size:
             return None
         ok = self._take_one(child)

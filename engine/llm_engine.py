@@ -291,6 +291,8 @@ class LLMEngine:
                 copy = self.block_manager.fork(parent, child, n_prompt)
                 if copy is not None:
                     self.runner.copy_block(*copy)
+                if child.state_slot is not None:
+                    self.runner.copy_state(parent.state_slot, child.state_slot)
                 self.scheduler.add_prefilled(child)
             elif child.mm is None or child.mm.can_encode:
                 self.scheduler.add(child)

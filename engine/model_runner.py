@@ -269,6 +269,13 @@ class ModelRunner:
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
 
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy state slot ``src`` into ``dst``, every GDN layer (an ``n > 1`` choice of a hybrid model)."""
+        if self.state is not None:
+            for s in self.state.layers:
+                s.conv[dst].copy_(s.conv[src])
+                s.recurrent[dst].copy_(s.recurrent[src])
+
     def write_layer(self, block_ids: list[int], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store received blocks (``[len(block_ids), block_size, kv_heads, head_dim]`` each) into the pool."""
         table = torch.tensor(block_ids, dtype=torch.long, device=self.device)

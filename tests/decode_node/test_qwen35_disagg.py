@@ -148,3 +148,17 @@ def test_expert_parallel_decode_group_of_2_keeps_the_shared_expert_on_every_rank
         moe = [layer.mlp for layer in w.engine.model.text.layers]
         assert all(m.executor is not None and m.shared_expert.gate_up_proj.weight.abs().sum() > 0 for m in moe)
         w.engine.block_manager.check_no_leaks()
+
+
+def test_choices_fork_on_the_decode_side_with_the_received_state(ckpt, prompts):
+    import dataclasses
+
+    params = dataclasses.replace(greedy(6), n=2)
+    want = _local(ckpt, [prompts["one-image"]], greedy(6))[0].outputs[0].token_ids
+    pair = LocalPair(ckpt, EngineConfig(**CFG))
+    try:
+        outs, failed = pair.generate([prompts["one-image"]], params)
+        assert not failed and [c.token_ids for c in outs[0].outputs] == [want, want]
+        pair.check_no_leaks()
+    finally:
+        pair.close()

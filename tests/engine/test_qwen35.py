@@ -192,3 +192,14 @@ def test_chunked_rule_equals_the_recurrence_across_spans(splits):
     torch.testing.assert_close(torch.cat(got), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s, state[0], atol=1e-5, rtol=1e-5)
     assert np.isfinite(want.numpy()).all()
+
+
+def test_choices_of_an_n_request_each_get_a_copy_of_the_prompt_state(ckpt, reference):
+    """n = 3 greedy choices fork after the prompt: each takes its own state slot holding a copy of the prompt's GDN
+    state, so every one decodes the reference's tokens (a child left with a stale or zero state would not)."""
+    ids = build_prompt([image(13, SIZES["47x133"])], ckpt, seed=5)
+    llm = LLM(ckpt, **ENGINE)
+    out = llm.generate([request(ids, [image(13, SIZES["47x133"])])], dataclasses.replace(greedy(6), n=3))[0]
+    want, _ = reference_generate(reference, ckpt, ids, [image(13, SIZES["47x133"])], 6)
+    assert [c.token_ids for c in out.outputs] == [want] * 3
+    assert_no_leaked_blocks(llm)
