@@ -1,7 +1,8 @@
 """Qwen3.5-MoE on Ray actors: prefill and decode workers linked over gloo and gRPC hand each request's GDN state
 over beside its KV. Greedy tokens equal the local engine's; ``kv_transfer`` reports KV bytes and state bytes apart; a
 corrupted state frame fails the first attempt with ChecksumMismatch and the retry is exact; status says why prefix
-caching is off; no block or state slot is left on any worker."""
+caching is off; a decode worker killed while state frames are in flight costs one retry; no block or state slot is
+left on any worker."""
 
 from __future__ import annotations
 
@@ -73,6 +74,32 @@ def test_corrupted_state_frame_is_retried_exactly(ray_cluster, ckpt, prompts, re
         ray.get(c.prefills[0].actor.inject_fault.remote("corrupt_next", 1))
         got = c.generate_batch(prompts[:1], greedy(8))[0]
         assert got.attempts == 2 and got.token_ids == reference[0]
+        _assert_idle(c)
+    finally:
+        c.shutdown()
+
+
+def test_decode_killed_while_state_frames_are_in_flight_is_retried_and_nothing_is_held(ray_cluster, ckpt, prompts,
+                                                                                      reference):
+    """0.4 s per layer on prefill and the decode worker killed 0.6 s after placement: the first GDN layer's state
+    frame is sent, the others are not yet computed. The request is retried on the other decode worker; the prefill
+    worker and the survivor hold no block or state slot."""
+    import time
+
+    import ray
+
+    from tests.cluster.control.test_disagg import _start, _wait_assigned
+
+    c = DisaggCluster(_spec(ckpt, num_decode=2, lease_base_s=3.0))
+    try:
+        ray.get(c.prefills[0].actor.inject_fault.remote("layer_delay_s", 0.4))
+        fut = _start(c, prompts[1], greedy(8))
+        victim = _wait_assigned(c)
+        time.sleep(0.6)
+        ray.kill(next(w.actor for w in c.decodes if w.load.worker_id == victim))
+        got = fut.result(timeout=90)
+        assert got.attempts == 2 and got.token_ids == reference[1]
+        ray.get(c.prefills[0].actor.inject_fault.remote("layer_delay_s", 0.0))
         _assert_idle(c)
     finally:
         c.shutdown()
