@@ -14,7 +14,11 @@ Per length it measures, all in one run:
 * transfer GB/s -- from the *whole* runs, where layers go back to back: the decode side times the first to the last
   layer's arrival, which spans ``layers - 1`` layers (:func:`transfer_gbps`). In layer-wise runs that span is
   paced by compute, so its rate (``layerwise.gbps`` in the JSON) is not the wire's;
-* memcpy GB/s -- ``dst.copy_(src)`` of the same number of bytes in this process (best of 5), the loopback ceiling.
+* memcpy GB/s -- ``dst.copy_(src)`` of the same number of bytes in this process (best of 5), the loopback ceiling;
+* with ``--auth both`` (default), the cost of the authenticated data plane: per transport a second *whole* cluster
+  with ``data_plane_auth: off`` runs right after the ``hmac`` one (the default, measured above), and the table gives
+  its GB/s and hmac / off (``auth_over_off`` in the JSON). ``--auth hmac`` skips it; ``--auth off`` measures
+  everything without authentication.
 
 Criteria of the issue: exposed layer-wise / exposed whole <= 0.25 at 2048 tokens (1 / layers is ideal), and gRPC
 GB/s / gloo GB/s >= 0.5. ``--repeat N`` keeps the best of N per figure (least time, highest rate). ``--quick``:
@@ -161,14 +165,14 @@ def _local(model_dir: Path, setup: dict, prompts: list[dict[int, dict]], warm: d
 
 
 def _cluster(model_dir: Path, setup: dict, transport: str, mode: str, prompts: list[dict[int, dict]],
-             warm: dict) -> tuple[dict[int, list[dict]], dict]:
+             warm: dict, auth: str = "hmac") -> tuple[dict[int, list[dict]], dict]:
     from cluster.control.disagg import DisaggCluster
     from cluster.control.spec import ClusterSpec
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     spec = ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport=transport,
-                       cpus_per_worker=1, stream_layers=mode == "layerwise", **setup)
+                       cpus_per_worker=1, stream_layers=mode == "layerwise", data_plane_auth=auth, **setup)
     t0 = time.perf_counter()
     cluster = DisaggCluster(spec)
     info: dict = {"startup_s": time.perf_counter() - t0}
@@ -183,7 +187,7 @@ def _cluster(model_dir: Path, setup: dict, transport: str, mode: str, prompts: l
                 runs[n].append({"ttft_s": c.ttft_s, "bytes": nbytes, "layers": layers, "span_s": span,
                                 "exposed_s": kv.get("exposed_seconds"), "gbps": transfer_gbps(nbytes, layers, span),
                                 "tokens": c.token_ids})
-                log(f"{transport}/{mode} {n} tokens: TTFT {fmt(ms(c.ttft_s))} ms, {nbytes / 1e6:.1f} MB, "
+                log(f"{transport}/{mode}/{auth} {n} tokens: TTFT {fmt(ms(c.ttft_s))} ms, {nbytes / 1e6:.1f} MB, "
                      f"exposed {fmt(ms(kv.get('exposed_seconds')), 2)} ms")
         info["held_blocks"] = cluster.check_no_leaks()
     finally:
@@ -192,8 +196,10 @@ def _cluster(model_dir: Path, setup: dict, transport: str, mode: str, prompts: l
     return runs, info
 
 
-def _summarise(local: dict, clusters: dict, transports: Sequence[str], images: dict[int, int]) -> dict[int, dict]:
-    """Best-of figures per prompt length; tokens of every disaggregated run compared with the local engine's."""
+def _summarise(local: dict, clusters: dict, transports: Sequence[str], images: dict[int, int],
+               no_auth: dict | None = None) -> dict[int, dict]:
+    """Best-of figures per prompt length; tokens of every disaggregated run compared with the local engine's.
+    ``no_auth``: transport -> the runs of a *whole* cluster without data-plane authentication (``--auth both``)."""
     results: dict[int, dict] = {}
     for n, local_runs in local.items():
         ref = [r["tokens"] for r in local_runs]
@@ -205,6 +211,11 @@ def _summarise(local: dict, clusters: dict, transports: Sequence[str], images: d
             fig["tokens_match"] = all([r["tokens"] for r in runs] == ref for runs in modes.values())
             fig["transfer_gbps"] = fig["whole"]["gbps"]
             fig["exposed_ratio"] = ratio(fig["layerwise"]["exposed_s"], fig["whole"]["exposed_s"])
+            if no_auth:
+                off = no_auth[t][0][n]
+                fig["tokens_match"] = fig["tokens_match"] and [r["tokens"] for r in off] == ref
+                fig["auth_off_gbps"] = best_of(off)["gbps"]
+                fig["auth_over_off"] = ratio(fig["transfer_gbps"], fig["auth_off_gbps"])
             row["transports"][t] = fig
         nbytes = row["transports"][transports[0]]["whole"]["bytes"]
         row["kv_bytes"], row["memcpy_gbps"] = nbytes, memcpy_gbps(nbytes)
@@ -216,12 +227,13 @@ def _summarise(local: dict, clusters: dict, transports: Sequence[str], images: d
 
 
 def transfer_table(results: dict[int, dict]) -> str:
-    header = ["prompt", "transport", "KV MB", "GB/s", "memcpy GB/s", "TTFT local ms", "TTFT lw ms", "TTFT whole ms",
+    header = ["prompt", "transport", "KV MB", "GB/s", "GB/s no auth", "auth/none", "memcpy GB/s", "TTFT local ms", "TTFT lw ms", "TTFT whole ms",
               "exposed lw ms", "exposed whole ms", "lw/whole", "grpc/gloo", "same tokens"]
     rows = []
     for n, r in results.items():
         for t, f in r["transports"].items():
             rows.append([f"{n} ({r['num_images']} img)", t, fmt(r["kv_bytes"] / 1e6, 2), fmt(f["transfer_gbps"], 2),
+                         fmt(f.get("auth_off_gbps"), 2), fmt(f.get("auth_over_off"), 2),
                          fmt(r["memcpy_gbps"], 2), fmt(ms(r["local"]["ttft_s"])), fmt(ms(f["layerwise"]["ttft_s"])),
                          fmt(ms(f["whole"]["ttft_s"])), fmt(ms(f["layerwise"]["exposed_s"]), 2),
                          fmt(ms(f["whole"]["exposed_s"]), 2), fmt(f["exposed_ratio"], 3),
@@ -238,6 +250,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma list of prompt lengths (default {','.join(map(str, PROMPT_LENS))})")
     p.add_argument("--transports", type=_transports, default=None, help="comma list of gloo,grpc (default both; "
                                                                         "gloo with --quick)")
+    p.add_argument("--auth", choices=["both", "hmac", "off"], default="both",
+                   help="data-plane authentication of the clusters: both (default: hmac, plus a whole-cache run "
+                        "without it per transport, for its cost), hmac, or off")
     p.add_argument("--repeat", type=_positive, default=1, help="measure each figure N times, keep the best")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and images")
     p.add_argument("--json", default="bench_out/transfer.json", help="where to write the results")
@@ -321,18 +336,27 @@ def run(args: argparse.Namespace) -> int:
         try:
             log(f"local engine on {model_dir}")
             local = _local(model_dir, setup, prompts, warm, threads=1)
-            clusters = {(t, m): _cluster(model_dir, setup, t, m, prompts, warm) for t in transports for m in MODES}
+            auth = "off" if args.auth == "off" else "hmac"
+            clusters, no_auth = {}, {}
+            for t in transports:
+                for m in MODES:
+                    clusters[t, m] = _cluster(model_dir, setup, t, m, prompts, warm, auth)
+                if args.auth == "both":  # right after its hmac twin, on the same prompts
+                    no_auth[t] = _cluster(model_dir, setup, t, "whole", prompts, warm, "off")
         finally:
             if started:
                 ray.shutdown()
-    results = _summarise(local, clusters, transports, {n: num_images(n, cfg.tokens_per_image) for n in lens})
+    results = _summarise(local, clusters, transports, {n: num_images(n, cfg.tokens_per_image) for n in lens},
+                         no_auth)
     doc = {"model_dir": str(model_dir),
            "config": {"prompt_lens": lens, "transports": transports, "repeat": args.repeat, "seed": args.seed,
+                      "auth": args.auth,
                       "quick": args.quick, "max_tokens": MAX_TOKENS, "engine": setup, "cpus_per_worker": 1,
                       "tokens_per_image": cfg.tokens_per_image, "num_layers": cfg.text.num_layers},
            "results": {str(n): r for n, r in results.items()},
-           "clusters": {f"{t}/{m}": info for (t, m), (_, info) in clusters.items()},
-           "leaked_blocks": sum(info["leaked_blocks"] for _, info in clusters.values()),
+           "clusters": {f"{t}/{m}": info for (t, m), (_, info) in clusters.items()}
+           | {f"{t}/whole/auth-off": info for t, (_, info) in no_auth.items()},
+           "leaked_blocks": sum(info["leaked_blocks"] for _, info in [*clusters.values(), *no_auth.values()]),
            "criteria": criteria(results, transports), "torch_threads": torch.get_num_threads(),
            "load_average": {"start": load_start, "end": os.getloadavg()},
            "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}

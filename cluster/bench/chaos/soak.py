@@ -10,8 +10,8 @@ over the kinds asked for, one at a time at random gaps; after each, recovery = u
 correctly and every worker is alive again.
 
 Each request ends as exactly one of: ``correct`` (greedy tokens equal the reference the local engine computed
-without faults), ``typed`` (a typed error after its retries), ``hung`` (no end by the client's own deadline, which
-lies past the server's), ``wrong`` (tokens differ), ``untyped`` (INTERNAL / UNKNOWN or a non-client exception).
+without faults), ``typed`` (a typed error after its retries), ``hung`` (an attempt the server did not end within its
+``request_timeout_s`` + 15 s), ``wrong`` (tokens differ), ``untyped`` (INTERNAL / UNKNOWN or a non-client exception).
 """
 
 from __future__ import annotations
@@ -121,13 +121,14 @@ class Soak:
 
         item, want = self.pool[k % len(self.pool)], self.want[k % len(self.pool)]
         rec = {"k": k, "start": time.monotonic(), "attempts": 0, "errors": []}
-        client_timeout = self.c.request_timeout_s + 15
-        deadline = rec["start"] + client_timeout
+        # the server ends every attempt within its request_timeout_s: one the client has to end itself is hung
+        attempt_s = self.c.request_timeout_s + 15
+        retry_until = rec["start"] + attempt_s  # new attempts start until then
         while True:
             rec["attempts"] += 1
-            left = deadline - time.monotonic()
+            began = time.monotonic()
             try:
-                got = await asyncio.wait_for(self._stream(item, left), left + 5)
+                got = await asyncio.wait_for(self._stream(item, attempt_s), attempt_s + 5)
             except (asyncio.TimeoutError, TimeoutError):
                 rec["outcome"] = "hung"
                 break
@@ -137,8 +138,8 @@ class Soak:
                 if e.code.name in ("INTERNAL", "UNKNOWN"):
                     rec["outcome"] = "untyped"
                     break
-                if name == "DeadlineExceeded" and time.monotonic() >= deadline - 0.5:
-                    rec["outcome"] = "hung"  # the server's own deadline should have ended it first
+                if name == "DeadlineExceeded" and time.monotonic() - began >= attempt_s - 0.5:
+                    rec["outcome"] = "hung"  # the client's deadline, not the server's, ended it
                     break
                 pause = min(2.0, 0.2 * rec["attempts"]) + self.rng.random() * 0.3
                 # a server that is not there (a restart) or full (a pool re-forming) is waited for until the
@@ -146,7 +147,7 @@ class Soak:
                 again = name in ("Unavailable", "ResourceExhausted") or rec["attempts"] < self.c.attempts
                 if isinstance(e, ResourceExhausted) and e.retry_after_s:
                     pause = max(pause, e.retry_after_s)
-                if not again or name in ("InvalidArgument", "Unauthenticated") or time.monotonic() + pause >= deadline:
+                if not again or name in ("InvalidArgument", "Unauthenticated") or time.monotonic() + pause >= retry_until:
                     rec["outcome"] = "typed"
                     break
                 await asyncio.sleep(pause)
@@ -305,6 +306,7 @@ def run_soak(c: SoakConfig) -> dict:
     proxy = FaultProxy(seed=c.seed)
     config = log_dir / "serve.json"
     config.write_text(json.dumps(spec_fields(c, proxy.address)))
+    (log_dir / "serve.log").write_text("")  # this soak's serve processes append to it
     serve = ServeProcess(config, ray.get_runtime_context().gcs_address, log_dir / "serve.log")
 
     async def main() -> dict:

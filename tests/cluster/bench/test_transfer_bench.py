@@ -138,7 +138,8 @@ def test_quick_run_writes_figures_and_leaks_nothing(ray_cluster, tiny_model_dir,
     assert set(doc) >= {"model_dir", "config", "results", "clusters", "criteria", "leaked_blocks", "load_average",
                         "timestamp"}
     assert doc["config"]["transports"] == ["gloo"] and doc["config"]["prompt_lens"] == [16, 32]
-    assert set(doc["clusters"]) == {"gloo/layerwise", "gloo/whole"}
+    assert set(doc["clusters"]) == {"gloo/layerwise", "gloo/whole", "gloo/whole/auth-off"}  # --auth both
+    assert doc["config"]["auth"] == "both"
     assert doc["leaked_blocks"] == 0
     for info in doc["clusters"].values():
         assert info["held_blocks"] and all(v == 0 for v in info["held_blocks"].values())
@@ -152,6 +153,7 @@ def test_quick_run_writes_figures_and_leaks_nothing(ray_cluster, tiny_model_dir,
             assert g[mode]["bytes"] == r["kv_bytes"] and g[mode]["layers"] == layers
             assert g[mode]["ttft_s"] > 0 and g[mode]["exposed_s"] >= 0
         assert g["transfer_gbps"] == g["whole"]["gbps"]
+        assert g["auth_off_gbps"] > 0 and g["auth_over_off"] == g["transfer_gbps"] / g["auth_off_gbps"]
     assert doc["criteria"]["prompt_len"] == 32 and "gloo" in doc["criteria"]["exposed_ratio"]
     table = capsys.readouterr().out
-    assert "exposed lw ms" in table and "16 (" in table and "load average" in table
+    assert "exposed lw ms" in table and "auth/none" in table and "16 (" in table and "load average" in table
