@@ -122,11 +122,6 @@ class GrammarProcessor(BatchedLogitsProcessor):
         self.words = -(-n_vocab // 32)  # int32 words of this matcher's bitmask row
         self.rejected = 0  # tokens the matcher refused (0 unless something appended a token the mask forbade)
 
-    @property
-    def finished(self) -> bool:
-        """The grammar is complete and nothing may follow but EOS."""
-        return self.matcher.is_stopped()
-
     def apply(self, logits: torch.Tensor) -> None:
         self.apply_batch(logits.unsqueeze(0), [0], [self])
 
