@@ -72,8 +72,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not (math.isfinite(v) and -2.0 <= v <= 2.0):
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {v}")
-        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
-            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        # bounded below: dividing a logit by a subnormal penalty overflows to inf (a failed step, not a 400)
+        if not (math.isfinite(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 10):
+            raise InvalidRequestError(f"repetition_penalty must be in [0.01, 10], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:

@@ -67,7 +67,7 @@ def _sampling_properties() -> dict[str, Any]:
         "n": _nullable(_int(1, MAX_N, description="choices decoded from one prefill of the prompt")),
         "presence_penalty": _nullable(penalty),
         "frequency_penalty": _nullable(penalty),
-        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 10,
+        "repetition_penalty": _nullable({"type": "number", "minimum": 0.01, "maximum": 10,
                                          "description": "vLLM's, over prompt and output (Duet extension)"}),
         "stream": _nullable({"type": "boolean"}),
         "stream_options": _nullable(_obj({"include_usage": {"type": "boolean"}}, additionalProperties=False,
@@ -96,7 +96,7 @@ def _tool() -> dict[str, Any]:
 
 def _response_format() -> dict[str, Any]:
     """cluster.serve.structured: text, json_object, or json_schema (a schema that does not compile is a 400)."""
-    schema = _obj({"name": {"type": "string"}, "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})},
+    schema = _obj({"name": _nullable({"type": "string"}), "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})},
                   ("schema",))
     return {"anyOf": [_obj({"type": {"enum": ["text", "json_object"]}}, ("type",)),
                       _obj({"type": {"const": "json_schema"}, "json_schema": schema}, ("type", "json_schema"))]}

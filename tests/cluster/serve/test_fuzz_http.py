@@ -122,7 +122,8 @@ def test_the_description_names_every_body_field_the_server_takes():
     ({"prompt": "0", "stream": True, "stream_options": [1]}, 400),  # .get on a list: 500
     ({"prompt": "0", "stream": "yes"}, 400),  # streamed although not a boolean
     ({"prompt": "0", "echo": 0.0}, 400),  # taken although not a boolean
-], ids=["seed", "stop-id", "top-p", "stop-id-vocab", "stream-options", "stream", "echo"])
+    ({"prompt": "0", "repetition_penalty": 5e-324, "temperature": 1.0}, 400),  # logits / subnormal = inf: 503
+], ids=["seed", "stop-id", "top-p", "stop-id-vocab", "stream-options", "stream", "echo", "rep-penalty"])
 def test_found_bugs_are_typed(server, session, serve_cluster, body, status):
     resp = session.post(f"{server.http_url}/v1/completions", json=body, timeout=60,
                         headers={"Authorization": f"Bearer {TOKEN}"})
