@@ -6,6 +6,6 @@
 * :mod:`cluster.experts` -- expert placement, the expert router of each decode group, the expert-cache simulation;
 * :mod:`cluster.planner` -- pool sizing by simulation (``duet plan``);
 * :mod:`cluster.cli` -- the ``duet`` command line;
-* :mod:`cluster.bench` -- benchmarks (``duet bench ...``), which runtime code never imports;
+* :mod:`duet_bench` -- benchmarks (``duet bench ...``), which runtime code never imports;
 * :mod:`cluster.demo` -- the shipped demo model and its task generator; :mod:`cluster.report` -- table / JSON output.
 """

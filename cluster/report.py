@@ -35,7 +35,7 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def scenario_table(scenarios: dict[str, dict]) -> str:
-    """The main table: one row per scenario result (as :func:`cluster.bench.engine_bench.run` stores them).
+    """The main table: one row per scenario result (as :func:`duet_bench.engine_bench.run` stores them).
     "same tokens" counts requests whose greedy tokens equal transformers' (padded batches may legitimately differ)."""
     header = ["scenario", "duet tok/s", "hf tok/s", "ratio", "duet s", "hf s", "ttft ms", "tpot ms", "same tokens"]
     rows = []

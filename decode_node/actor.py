@@ -8,7 +8,7 @@ requests, in one message (never one call per token per request). A token event i
 Methods take and return msgpack ``bytes`` (:mod:`node_common.messages`).
 
 Expert-parallel workers (``expert_parallel`` set) start their loop only once the group is formed: the cluster
-(:func:`cluster.experts.expert_router.form_group`) calls :meth:`DecodeActor.ep_host` on rank 0, then
+(:func:`cluster.control.expert_groups.form_group`) calls :meth:`DecodeActor.ep_host` on rank 0, then
 :meth:`DecodeActor.ep_join` on every rank at once. Their loop runs one group tick per iteration (:meth:`decode_node.worker.DecodeWorker.group_step`); a shutdown of any rank stops the whole
 group at the same tick.
 """

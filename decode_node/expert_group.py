@@ -1,6 +1,6 @@
 """The expert-parallel group's process groups, its rendezvous, and the per-tick agreement that keeps it in lockstep.
 
-Rendezvous: the cluster (:func:`cluster.experts.expert_router.form_group`) asks rank 0 to :func:`host_store` (a
+Rendezvous: the cluster (:func:`cluster.control.expert_groups.form_group`) asks rank 0 to :func:`host_store` (a
 ``TCPStore`` on a free port of ``host``, loopback by default), then every rank constructs :class:`ExpertGroup` concurrently with that address and a ``group_key`` fresh per
 group incarnation (keys live under ``duet/ep/<group_key>/``). Construction returns once all ``world`` ranks joined,
 or raises :class:`GroupUnavailable` at the deadline; every later collective is bounded by ``timeout_s`` too.

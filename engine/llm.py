@@ -78,6 +78,9 @@ class LLM:
 
 
 def _progress(total: int):
-    from tqdm import tqdm  # transformers depends on tqdm
+    try:
+        from tqdm import tqdm  # optional: not a runtime dependency
+    except ImportError:
+        return None
 
     return tqdm(total=total, desc="generate")

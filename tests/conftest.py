@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from engine import LLM, LLMEngine, SamplingParams
-from engine.checkpoints import TinySpec, image_tokens_per_image, make_tiny_checkpoint
+from duet_testing.checkpoints import TinySpec, image_tokens_per_image, make_tiny_checkpoint
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine torch's thread pool spinning against
 # other processes makes each step many times slower; one thread keeps the suite fast and its timing stable.
@@ -127,7 +127,7 @@ def tiny_qwen_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
     """``tiny_qwen_ckpt(**overrides) -> Path`` (session): the tiny random-weight Qwen3-VL(-MoE) checkpoint of
     ``QwenTinySpec(**overrides)`` (default: 3 MoE text layers, 8 experts top-2, patch 16, merge 2, "hf" layout),
     written once per session. Treat the directory as read-only."""
-    from engine.qwen_checkpoints import QwenTinySpec, make_tiny_qwen_checkpoint
+    from duet_testing.qwen_checkpoints import QwenTinySpec, make_tiny_qwen_checkpoint
 
     cache: dict[QwenTinySpec, Path] = {}
 

@@ -35,7 +35,9 @@ def _resident(text: str) -> float | int:
         raise argparse.ArgumentTypeError(f"--expert-resident must be a fraction or a count, got {text!r}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole ``duet`` parser. The bench subcommands (and their modules) load only when ``argv`` is a
+    ``duet bench`` command line (``None``: load them)."""
     p = argparse.ArgumentParser(prog="duet", description="Duet: disaggregated serving for multimodal MoE models")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="run one prompt through the engine (offline)")
@@ -74,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV compression on the wire (--mode disagg): none, default, aggressive, or a JSON policy")
     from cluster.cli.bench_cmd import add_bench_arguments
 
-    add_bench_arguments(sub.add_parser("bench", help="benchmarks (table + JSON)"))
+    add_bench_arguments(sub.add_parser("bench", help="benchmarks (table + JSON; needs the bench extra)"),
+                        load=argv is None or (bool(argv) and argv[0] == "bench"))
     from cluster.cli.plan_cmd import add_arguments as add_plan_arguments
 
     add_plan_arguments(sub.add_parser("plan", help="size prefill/decode pools for a workload (simulation)"))
@@ -103,7 +106,8 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     import importlib
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     target = COMMANDS.get((args.command, getattr(args, "bench", None)))
     if target is None:
         return EXIT_USAGE

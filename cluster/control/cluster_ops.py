@@ -251,7 +251,7 @@ class ClusterOps:
     async def _reform_group(self, g: int) -> list[tuple[str, str]]:
         import ray
 
-        from cluster.experts import expert_router
+        from cluster.control import expert_groups
 
         world = self.spec.expert_parallel
         idx = range(g * world, (g + 1) * world)
@@ -267,7 +267,7 @@ class ClusterOps:
                 ray.kill(w.actor)
             try:
                 self._await_started(new, stats=False)
-                router = expert_router.form_group(self.spec, self._text_config, [w.actor for w in new], g,
+                router = expert_groups.form_group(self.spec, self._text_config, [w.actor for w in new], g,
                                                   self._dtype_bytes)
                 self._await_started(new, ping=False)
             except BaseException:

@@ -33,7 +33,7 @@ from cluster.control.errors import DecodeInterruptedError, RequestTimeoutError, 
 from cluster.control.pool_healer import PoolHealer
 from cluster.control.router import WorkerLoad
 from cluster.control.spec import ClusterSpec
-from cluster.experts import expert_router
+from cluster.control import expert_groups
 from engine import SamplingParams
 from engine.config import DTYPES, ModelConfig
 from engine.errors import DuetError, is_retryable
@@ -75,7 +75,7 @@ class DisaggCluster(ClusterOps):
         self._draining: dict[str, Any] = {}  # worker id -> concurrent future of its drain (see drain_worker)
         self._pinned = 0  # next core for a pinned worker (spec.pin_cpus)
         self.prefills = [self._spawn("prefill", f"prefill-{i}") for i in range(spec.num_prefill)]
-        ep_configs = expert_router.worker_configs(spec, cfg.text)
+        ep_configs = expert_groups.worker_configs(spec, cfg.text)
         self._ep_configs, self._text_config = ep_configs, cfg.text  # a replacement starts with its slot's config
         self._dtype_bytes = DTYPES[spec.dtype].itemsize
         self._closing = False
@@ -85,7 +85,7 @@ class DisaggCluster(ClusterOps):
         self.inputs.max_model_len = self._agree_max_model_len()  # the front-end's limits use the workers' value
         # expert-parallel decode groups (none when spec.expert_parallel == 1): formed before any request arrives
         try:
-            self.expert_routers = expert_router.form_groups(spec, cfg.text, [w.actor for w in self.decodes],
+            self.expert_routers = expert_groups.form_groups(spec, cfg.text, [w.actor for w in self.decodes],
                                                             DTYPES[spec.dtype].itemsize)
         except BaseException:
             for w in self.prefills + self.decodes:

@@ -1,6 +1,6 @@
 """The demo model, the embedded default of every command when no model directory is given.
 
-A small LLaVA (SigLIP-style tower + Qwen3-MoE, 8 experts, top-2) trained on :mod:`cluster.demo.tasks` by
+A small LLaVA (SigLIP-style tower + Qwen3-MoE, 8 experts, top-2) trained on :mod:`duet_testing.demo_tasks` by
 :mod:`scripts.demo.train`, shipped in ``cluster/demo/model`` and installed with the package. It answers questions
 about images of shapes ("What color is the triangle?"), so a first run shows a right answer and benchmarks can report
 task accuracy. Models built on demand (the bench model) are cached under ``$DUET_HOME/models``

@@ -1,7 +1,7 @@
 """The global router's expert hook: collects one expert-parallel decode group's load, decides whether a new placement
 pays for its migration, and drives it.
 
-One :class:`ExpertRouter` per group (:class:`cluster.control.disagg.DisaggCluster` makes them with :func:`form_groups`). A round (:meth:`ExpertRouter.rebalance`):
+One :class:`ExpertRouter` per group (the control plane makes them: :func:`cluster.control.expert_groups.form_groups`). A round (:meth:`ExpertRouter.rebalance`):
 
 1. ``stats`` from every rank (msgpack): the windowed tokens per (MoE layer, logical expert) of each rank's own
    requests, plus prefill's routing histograms of the requests that just arrived (weighted by ``hint_weight``, a
@@ -21,24 +21,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from cluster.control.spec import ClusterSpec
 from cluster.experts.placement import (
     Placement,
     align,
     duet_placement,
     migrate_placement,
     should_rebalance,
-    static_placement,
 )
-from decode_node.expert_parallel import ExpertParallelConfig
 from decode_node.expert_slots import SlotTable, balancedness
-from engine.config import TextConfig
 from node_common import messages
 
 log = logging.getLogger(__name__)
@@ -173,48 +168,3 @@ def to_slot_table(placement: Placement, version: int) -> SlotTable:
     """:class:`cluster.experts.placement.Placement` (``slots[L, W*S]``) -> the decode group's ``[L, W, S]`` table."""
     slots = placement.slots.reshape(placement.num_layers, placement.workers, placement.slots_per_worker)
     return SlotTable(slots, placement.num_experts, version)
-
-
-# ------------------------------------------------------------------------------------------------------- building
-def initial_placement(spec: ClusterSpec, text: TextConfig) -> Placement:
-    """The static round-robin placement every group starts from."""
-    moe_layers = sum(text.moe_layers)
-    return static_placement(text.num_experts, spec.expert_parallel, spec.slots_per_worker(text.num_experts),
-                            moe_layers)
-
-
-def worker_configs(spec: ClusterSpec, text: TextConfig) -> list[dict | None]:
-    """Per decode worker, its ``expert_parallel`` actor argument (None without expert parallelism)."""
-    if spec.expert_parallel == 1:
-        return [None] * spec.num_decode
-    table = to_slot_table(initial_placement(spec, text), 0).to_wire()
-    return [ExpertParallelConfig(rank=i % spec.expert_parallel, world=spec.expert_parallel,
-                                 slots_per_worker=spec.slots_per_worker(text.num_experts), placement=table,
-                                 timeout_s=spec.expert_group_timeout_s).to_dict() for i in range(spec.num_decode)]
-
-
-def form_groups(spec: ClusterSpec, text: TextConfig, actors: list[Any], dtype_bytes: int) -> list[ExpertRouter]:
-    """Join consecutive runs of ``spec.expert_parallel`` decode actors into groups (rank 0 hosts the rendezvous;
-    all ranks join at once, bounded by the group timeout) and return one router per group, not yet started."""
-    if spec.expert_parallel == 1:
-        return []
-    world = spec.expert_parallel
-    return [form_group(spec, text, actors[g * world:(g + 1) * world], g, dtype_bytes)
-            for g in range(spec.num_decode // world)]
-
-
-def form_group(spec: ClusterSpec, text: TextConfig, members: list[Any], g: int, dtype_bytes: int) -> ExpertRouter:
-    """Join ``members`` (fresh decode actors of ranks 0..world-1, started with :func:`worker_configs`'s configs
-    for group ``g``) into group ``g`` and return its router, not yet started. Also re-forms a group that lost a
-    member (:mod:`cluster.control.pool_healer`): the group starts again from the static placement under a new key."""
-    import ray
-
-    timeout = spec.expert_group_timeout_s + 30
-    where = messages.unpack(ray.get(members[0].ep_host.remote(spec.expert_group_host), timeout=timeout))
-    key = f"g{g}-{uuid.uuid4().hex[:8]}"
-    for reply in ray.get([a.ep_join.remote(where["host"], where["port"], key) for a in members], timeout=timeout):
-        messages.unpack(reply)  # raises GroupUnavailable of a rank that could not join
-    policy = RebalancePolicy(interval_s=spec.expert_rebalance_s, max_moves=spec.expert_max_moves)
-    per_expert = 3 * text.hidden_size * text.moe_intermediate_size * dtype_bytes
-    return ExpertRouter(members, initial_placement(spec, text), bytes_per_expert=per_expert, policy=policy,
-                        name=f"ep-{g}")

@@ -34,7 +34,7 @@ CHUNK_BYTES = 4 << 20
 class Manager(KVManager):
     """gRPC transport manager. ``max_concurrent``: Push calls served at once (one handler thread each). ``proxy``
     ("host:port"): this side's Push calls dial the decode side through that HTTP CONNECT proxy (a site's egress
-    proxy; the chaos soak's fault proxy, :mod:`cluster.bench.chaos.proxy`)."""
+    proxy; the chaos soak's fault proxy, :mod:`duet_bench.chaos.proxy`)."""
 
     name = "grpc"
     supports_gpu_direct = False

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cluster.demo.tasks import corpus
+from duet_testing.demo_tasks import corpus
 
 IMAGE_TOKEN, USER, ASSISTANT, END, PAD = "<image>", "<|user|>", "<|assistant|>", "<|end|>", "<pad>"
 SPECIAL_TOKENS = [PAD, END, USER, ASSISTANT, IMAGE_TOKEN]

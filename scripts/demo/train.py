@@ -1,7 +1,7 @@
 """Train the demo model from a seed: ``python -m scripts.demo.train OUT_DIR [--steps N] [--seed S]``.
 
 A LLaVA model (a small SigLIP-style tower + Qwen3-MoE text model, 8 experts, top-2) trained with transformers'
-``LlavaForConditionalGeneration`` on :mod:`cluster.demo.tasks`: each training sequence is one scene with 1-4
+``LlavaForConditionalGeneration`` on :mod:`duet_testing.demo_tasks`: each training sequence is one scene with 1-4
 question/answer turns (or one two-image comparison), loss on the answer tokens only, plus two training-only
 probes that are not saved: :class:`CellProbe` (what each grid cell holds, read from the projected visual tokens) and
 :class:`MatchProbe` (which cell the first question asks about, read from the text model's hidden states at the visual
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cluster.demo.tasks import COLORS, GRID, IMAGE_SIZE, KINDS, SIZES, Conversation, Example, Scene, make_conversation
+from duet_testing.demo_tasks import COLORS, GRID, IMAGE_SIZE, KINDS, SIZES, Conversation, Example, Scene, make_conversation
 from scripts.demo.tokenizer import END, IMAGE_TOKEN, PAD, chat_prompt, save_tokenizer, train_tokenizer
 
 PATCH = 16  # one 3x3-grid cell = 2x2 patches: 36 visual tokens per image

@@ -17,7 +17,7 @@ import torch
 
 from cluster.control.local_pair import LocalPair
 from engine import LLM, EngineConfig
-from engine.qwen35_checkpoints import make_tiny_qwen35_checkpoint
+from duet_testing.qwen35_checkpoints import make_tiny_qwen35_checkpoint
 from kv_transfer import ChecksumMismatch, KVPoll
 from kv_transfer.state_frames import STATE_FORMAT
 from tests.conftest import LLM_DEFAULTS, greedy

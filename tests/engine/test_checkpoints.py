@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from engine.checkpoints import (
+from duet_testing.checkpoints import (
     BENCH_SPEC,
     TinySpec,
     build_config,

@@ -13,7 +13,7 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from engine import LLM, SamplingParams
-from engine.checkpoints import TinySpec, image_tokens_per_image, load_reference_model, make_tiny_checkpoint
+from duet_testing.checkpoints import TinySpec, image_tokens_per_image, load_reference_model, make_tiny_checkpoint
 
 MAX_NEW = 6
 LOGIT_TOL = 1e-4

@@ -27,7 +27,7 @@ from engine.errors import (
     UnsupportedInputError,
     UnsupportedModelError,
 )
-from engine.qwen_checkpoints import QwenTinySpec, load_qwen_reference, make_tiny_qwen_checkpoint
+from duet_testing.qwen_checkpoints import QwenTinySpec, load_qwen_reference, make_tiny_qwen_checkpoint
 from engine.qwen_image_processor import QwenVLImageProcessor
 from tests.conftest import assert_no_leaked_blocks
 

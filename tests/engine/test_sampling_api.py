@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.checkpoints import load_reference_model
+from duet_testing.checkpoints import load_reference_model
 from engine.errors import InvalidRequestError
 from engine.penalties import apply_penalties
 from engine.sampler import processed_logits

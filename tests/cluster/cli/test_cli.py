@@ -16,7 +16,7 @@ import torch
 
 from cluster.cli.main import EXIT_USAGE, main
 from cluster.demo import cached_model
-from engine.checkpoints import load_reference_model
+from duet_testing.checkpoints import load_reference_model
 from tests.conftest import make_image
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -13,7 +13,7 @@ import torch
 
 from cluster.control.disagg import DisaggCluster
 from engine import LLM
-from engine.qwen35_checkpoints import make_tiny_qwen35_checkpoint
+from duet_testing.qwen35_checkpoints import make_tiny_qwen35_checkpoint
 from tests.cluster.control.test_qwen_disagg import TRANSPORTS, _assert_idle, _spec
 from tests.conftest import greedy
 from tests.engine.test_qwen_vl import SIZES, build_prompt, image, request

@@ -22,7 +22,7 @@ from cluster.control.disagg import DisaggCluster
 from cluster.control.local_pair import LocalPair
 from cluster.control.spec import ClusterSpec
 from engine import LLM, EngineConfig
-from engine.qwen_checkpoints import QwenTinySpec, load_qwen_reference
+from duet_testing.qwen_checkpoints import QwenTinySpec, load_qwen_reference
 from engine.qwen_image_processor import QwenVLImageProcessor
 from kv_transfer import ProtocolError
 from kv_transfer.handoff import HANDOFF_VERSION, Handoff, HandoffMismatch

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.bench.experts_bench import drifting_loads, zipf_load
+from duet_bench.experts_bench import drifting_loads, zipf_load
 from cluster.experts.placement import (
     Placement,
     align,

@@ -19,7 +19,7 @@ from duet_client import Client, InvalidArgument
 from duet_client._proto.duet.v1 import duet_pb2 as pb
 from duet_client._proto.duet.v1 import duet_pb2_grpc as pb_grpc
 from engine import LLM, SamplingParams
-from engine.qwen_checkpoints import QwenTinySpec, make_tiny_qwen_checkpoint
+from duet_testing.qwen_checkpoints import QwenTinySpec, make_tiny_qwen_checkpoint
 from engine.qwen_image_processor import QwenVLImageProcessor
 from tests.conftest import make_image
 

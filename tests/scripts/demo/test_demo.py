@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cluster.demo import DEMO_MODEL_DIR
-from cluster.demo.tasks import COUNT_WORDS, QTYPES, describe, make_dataset
+from duet_testing.demo_tasks import COUNT_WORDS, QTYPES, describe, make_dataset
 from engine import LLM, SamplingParams
 from scripts.demo.tokenizer import IMAGE_TOKEN, chat_prompt, save_tokenizer, train_tokenizer
 from scripts.demo.train import PATCH, TOKENS_PER_IMAGE, build_model, encode, train
@@ -83,7 +83,7 @@ def demo_llm():
 def test_engine_and_transformers_give_the_same_answers(demo_llm):
     from transformers import AutoTokenizer, LlavaForConditionalGeneration, LlavaProcessor, SiglipImageProcessorPil
 
-    from cluster.bench.quality_bench import evaluate
+    from duet_bench.quality_bench import evaluate
 
     examples = make_dataset(424242, 10)
     ours = evaluate(demo_llm, examples)
@@ -131,7 +131,7 @@ def test_generate_with_sampled_demo_is_seeded(demo_llm):
 
 
 def test_training_probes_target_the_right_cells():
-    from cluster.demo.tasks import Scene, Shape
+    from duet_testing.demo_tasks import Scene, Shape
     from scripts.demo.train import CellProbe, MatchProbe, asked_cell
 
     scene = Scene((Shape("circle", "red", "small", 0, 0), Shape("triangle", "blue", "large", 1, 2),
