@@ -1,9 +1,8 @@
 """Ray actor around :class:`DecodeWorker`: a loop thread commits finished transfers and steps the decode batch;
-the front-end long-polls :meth:`DecodeActor.poll`, which returns every token produced since the last poll, for all
-requests, in one message (never one call per token per request). A token event is ``{"request_id", "index"
-(the choice), "token_ids" (new), "finished" (every choice of the request ended: its last event only),
-"choice_finished", "finish_reason" (the choice's), "logprobs" (when asked: one wire entry per new token, ``engine.outputs.TokenLogprobs.to_wire``), "prompt_logprobs"
-(when asked, on choice 0's first event: one entry per prompt token, None for the first)}``.
+the front-end long-polls :meth:`DecodeActor.poll`, which returns every event produced since the last poll, for all
+requests, in one message (never one call per token per request): ``{"events": [wire map, ...], "free_blocks": n}``.
+The events are :class:`~node_common.events.TokenEvent` and :class:`~node_common.events.RequestFailed`, typed and
+versioned (:mod:`node_common.events` documents the wire; a consumer reads it with ``event_from_wire``).
 
 Methods take and return msgpack ``bytes`` (:mod:`node_common.messages`).
 
@@ -28,6 +27,7 @@ from engine import EngineConfig
 from engine.errors import DuetError
 from kv_transfer import ClusterSecret, get_manager_class
 from node_common import messages, prompt_wire
+from node_common.events import DecodeEvent, RequestFailed, TokenEvent
 from node_common.worker_actor import WorkerActorBase
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class DecodeActor(WorkerActorBase):
                                    expert_tiers=None if expert_tiers is None else TierConfig(**expert_tiers))
         self.cond = threading.Condition()
         self.wake = threading.Event()  # set by allocate: an idle loop sleeps on it instead of polling
-        self.pending: list[dict] = []  # token deltas and failures not yet polled
+        self.pending: list[DecodeEvent] = []  # token deltas and failures not yet polled
         self.sent: dict[str, dict[int, int]] = {}  # request -> choice -> tokens reported (-1: its end reported)
         self.thread: threading.Thread | None = None
         self._store = None  # rank 0 of an expert-parallel group hosts the rendezvous store
@@ -114,8 +114,8 @@ class DecodeActor(WorkerActorBase):
             return self.worker.abort(request_id)
 
     def poll(self, timeout_s: float = 0.05) -> bytes:
-        """Everything produced since the last poll: ``{"events": [...], "free_blocks": n}``; waits up to
-        ``timeout_s`` for the first event."""
+        """Everything produced since the last poll: ``{"events": [event wire map, ...], "free_blocks": n}``
+        (:mod:`node_common.events`); waits up to ``timeout_s`` for the first event."""
         deadline = time.monotonic() + max(0.0, min(timeout_s, 5.0))
         with self.cond:
             while not self.pending and not self.stopped:
@@ -124,7 +124,7 @@ class DecodeActor(WorkerActorBase):
                     break
                 self.cond.wait(left)
             events, self.pending = self.pending, []
-        return messages.pack(events=events, free_blocks=self.worker.free_blocks)
+        return messages.pack(events=[ev.to_wire() for ev in events], free_blocks=self.worker.free_blocks)
 
     def stats(self) -> bytes:
         with self.lock:
@@ -184,13 +184,13 @@ class DecodeActor(WorkerActorBase):
         with self.cond:
             self.cond.notify_all()
 
-    def _publish(self, events: list[dict]) -> None:
+    def _publish(self, events: list[DecodeEvent]) -> None:
         if events:
             with self.cond:
                 self.pending.extend(events)
                 self.cond.notify_all()
 
-    def _step(self) -> list[dict]:
+    def _step(self) -> list[DecodeEvent]:
         try:
             report = self.worker.step()
         except Exception as e:  # fail the batch rather than the worker
@@ -198,11 +198,11 @@ class DecodeActor(WorkerActorBase):
             failed = list(self.worker.engine.requests)
             for rid in failed:
                 self.worker.abort(rid, "decode step failed")
-            return [{"request_id": rid, "failed": f"decode step failed: {e}"} for rid in failed]
+            return [RequestFailed(rid, f"decode step failed: {e}") for rid in failed]
         return self._events(report)
 
-    def _events(self, report: StepReport) -> list[dict]:
-        events = [{"request_id": rid, "failed": why} for rid, why in report.failed.items()]
+    def _events(self, report: StepReport) -> list[DecodeEvent]:
+        events: list[DecodeEvent] = [RequestFailed(rid, why) for rid, why in report.failed.items()]
         for rid in report.failed:
             self.sent.pop(rid, None)
         ended: set[str] = set()
@@ -211,27 +211,21 @@ class DecodeActor(WorkerActorBase):
             if rid in ended:
                 continue  # an n > 1 commit returns one finished output per choice, each holding every choice
             sent = self.sent.setdefault(rid, {})
-            mine = []
-            for c in out.outputs:
-                start = sent.get(c.index, 0)
-                if start < 0:
-                    continue  # this choice's end was reported already
-                ev = {"request_id": rid, "index": c.index, "token_ids": c.token_ids[start:], "finished": out.finished,
-                      "choice_finished": c.finished, "finish_reason": c.finish_reason}
+            fresh = [(c, sent.get(c.index, 0)) for c in out.outputs if sent.get(c.index, 0) >= 0]  # -1: end reported
+            for i, (c, start) in enumerate(fresh):
+                extra = {}
                 if c.logprobs is not None:
                     # the engine's list, which a later step of the same report may have grown: cut at the tokens
-                    ev["logprobs"] = [lp.to_wire() for lp in c.logprobs[start:len(c.token_ids)]]
+                    extra["logprobs"] = [lp.to_wire() for lp in c.logprobs[start:len(c.token_ids)]]
                 if c.index == 0 and start == 0 and out.prompt_logprobs is not None:
-                    ev["prompt_logprobs"] = [None if x is None else x.to_wire() for x in out.prompt_logprobs]
-                if c.index == 0 and rid in report.routing_hints:
-                    ev["expert_hist"] = report.routing_hints[rid]
-                if c.index == 0 and rid in report.transfers:
-                    ev["kv_transfer"] = report.transfers[rid]
-                mine.append(ev)
+                    extra["prompt_logprobs"] = [None if x is None else x.to_wire() for x in out.prompt_logprobs]
+                if c.index == 0:
+                    extra["expert_hist"] = report.routing_hints.get(rid)
+                    extra["kv_transfer"] = report.transfers.get(rid)
+                # only the request's last event says finished: a consumer stops reading there
+                events.append(TokenEvent(rid, c.index, c.token_ids[start:], finished=out.finished and i == len(fresh) - 1,
+                                         choice_finished=c.finished, finish_reason=c.finish_reason, **extra))
                 sent[c.index] = -1 if c.finished else len(c.token_ids)
-            for ev in mine[:-1]:
-                ev["finished"] = False  # only the request's last event says so: a consumer stops reading there
-            events.extend(mine)
             if out.finished:
                 self.sent.pop(rid, None)
                 ended.add(rid)
