@@ -2,7 +2,9 @@
 
 Must not import the model (``engine``).
 
-A transfer is one request's KV, all layers, plus a final metadata frame. Contract: :mod:`kv_transfer.base`.
+A transfer is one request's KV, all layers, plus a final metadata frame. Contract: :mod:`kv_transfer.base` (over
+the error tree :mod:`kv_transfer.errors`, the layouts :mod:`kv_transfer.layout` and the lease and its deadline policy
+:mod:`kv_transfer.lease`: :class:`LeasePolicy`, :data:`DEFAULT_LEASE`).
 Compression on the wire: :mod:`kv_transfer.compression` (per-modality policies, codec ``"modal"``).
 Transports (same class names ``Manager`` / ``Sender`` / ``Receiver`` in each sub-package; pick one with
 :func:`get_manager_class`): ``inproc`` (queues, one process), ``gloo`` / ``nccl`` (torch.distributed pair groups),
@@ -28,6 +30,7 @@ States only move forward (:class:`KVPoll` is ordered); FAILED carries a typed :c
 
 from kv_transfer.auth import ClusterSecret
 from kv_transfer.base import (
+                              DEFAULT_LEASE,
                               ChecksumMismatch,
                               FrameReplayed,
                               KVLayout,
@@ -37,6 +40,7 @@ from kv_transfer.base import (
                               KVSender,
                               Lease,
                               LeaseMismatch,
+                              LeasePolicy,
                               MissingLayer,
                               PeerUnavailable,
                               ProtocolError,
@@ -49,9 +53,8 @@ from kv_transfer.base import (
                               Unauthenticated,
                               transfer_deadline,
 )
-from kv_transfer.codec import Codec, IdentityCodec, get_codec, register_codec
+from kv_transfer.codec import Codec, CodecContext, IdentityCodec, get_codec, register_codec
 from kv_transfer.compression import (
-                              CodecContext,
                               CompressionPolicy,
                               InvalidPolicy,
                               Method,
@@ -63,6 +66,7 @@ from kv_transfer.compression import (
 from kv_transfer.registry import TRANSPORTS, get_manager_class
 
 __all__ = [
+                              "DEFAULT_LEASE",
                               "TRANSPORTS",
                               "ChecksumMismatch",
                               "ClusterSecret",
@@ -79,6 +83,7 @@ __all__ = [
                               "KVSender",
                               "Lease",
                               "LeaseMismatch",
+                              "LeasePolicy",
                               "Method",
                               "MissingLayer",
                               "ModalCodec",

@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
-from kv_transfer import frames
-from kv_transfer.base import FrameReplayed, Lease, LeaseMismatch, Unauthenticated
+from kv_transfer.errors import FrameReplayed, LeaseMismatch, Unauthenticated
+from kv_transfer.frames import pack as pack_frame
+from kv_transfer.lease import Lease
 
 log = logging.getLogger(__name__)
 SECRET_BYTES = 32
@@ -149,7 +150,7 @@ class LeaseAuth:
             raise Unauthenticated(f"request {self.request_id!r}: the Push summary failed its MAC")
 
     def _frame_mac(self, header: dict[str, Any], payload: torch.Tensor | None) -> bytes:
-        h = hmac.new(self._key, frames.pack(header), hashlib.sha256)
+        h = hmac.new(self._key, pack_frame(header), hashlib.sha256)
         if payload is not None and not payload.is_cuda and payload.numel():
             h.update(memoryview(payload.contiguous().numpy()))
         return h.digest()

@@ -1,4 +1,4 @@
-"""The KV-transfer contract: poll states, typed errors, the lease, and the sender / receiver / manager interfaces.
+"""The KV-transfer contract: poll states and the sender / receiver / manager interfaces.
 
 Who calls what:
 
@@ -9,31 +9,49 @@ Who calls what:
 * Either side may ``abort(reason)`` at any time; the other side ends FAILED with :class:`TransferAborted` promptly.
 * Every transfer ends FAILED with :class:`TransferTimeout` at the latest when ``lease.deadline_s`` passes.
 
-This module imports torch only for dtype names; it never imports the model.
+The values the contract speaks of live below it, so that codecs and frames need not import the contract: the typed
+error tree (:mod:`kv_transfer.errors`), the layouts (:mod:`kv_transfer.layout`) and the versioned lease with its
+deadline policy (:mod:`kv_transfer.lease`). This module re-exports them: ``kv_transfer.base`` is the one name a
+transport or a worker imports. It imports torch only for dtype names; it never imports the model.
 """
 
 from __future__ import annotations
 
 import abc
-import math
-import secrets
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from kv_transfer.errors import (  # noqa: F401 - re-exported: part of the contract
+    ERRORS,
+    ChecksumMismatch,
+    FrameReplayed,
+    LeaseMismatch,
+    MissingLayer,
+    PeerUnavailable,
+    ProtocolError,
+    TransferAborted,
+    TransferError,
+    TransferTimeout,
+    Unauthenticated,
+    error_from_name,
+)
+from kv_transfer.layout import DTYPES, KVLayout, StateLayout, TensorSpec  # noqa: F401 - re-exported
+from kv_transfer.lease import (  # noqa: F401 - re-exported
+    DEFAULT_LEASE,
+    LEASE_VERSION,
+    Lease,
+    LeasePolicy,
+    transfer_deadline,
+)
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-    from kv_transfer.codec import Codec
-    from kv_transfer.compression import CodecContext
+    from kv_transfer.codec import Codec, CodecContext
 
-LEASE_VERSION = 2  # 2 adds "state" (hybrid models' state frames); version-1 leases (no state) still parse
-
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Sink = Callable[..., None]
 """``sink(layer, k, v)``: k, v are ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the layout's dtype.
@@ -56,196 +74,12 @@ class KVPoll(IntEnum):
     SUCCESS = 4  # sender: the receiver verified everything; receiver: every layer and the final frame arrived
 
 
-class TransferError(Exception):
-    """Base of every error a transfer ends with (``failure_exception()``)."""
-
-
-class TransferTimeout(TransferError):
-    """The lease deadline passed before the transfer succeeded."""
-
-
-class TransferAborted(TransferError):
-    """One side called ``abort()`` (or closed its manager), or the receiver side had no such transfer."""
-
-
-class ChecksumMismatch(TransferError):
-    """A block's bytes did not match the crc32 in its frame header; the layer was not handed to the sink."""
-
-
-class MissingLayer(TransferError):
-    """The final frame arrived before every layer had."""
-
-
-class PeerUnavailable(TransferError):
-    """The peer could not be reached, went away mid-transfer, or the transport cannot run on this host."""
-
-
-class ProtocolError(TransferError):
-    """A frame or message was malformed, had an unknown version, or did not match the lease."""
-
-
-class Unauthenticated(ProtocolError):
-    """A peer or frame without the lease's proof (a stranger, a forged or missing MAC): refused, counted, and the
-    transfer it named goes on (:mod:`kv_transfer.auth`)."""
-
-
-class FrameReplayed(Unauthenticated):
-    """An authentic frame whose sequence number was already accepted for its lease (a replay)."""
-
-
-class LeaseMismatch(Unauthenticated):
-    """A frame bound to another lease than the transfer it was addressed to."""
-
-
-ERRORS: dict[str, type[TransferError]] = {
-    cls.__name__: cls
-    for cls in (TransferError, TransferTimeout, TransferAborted, ChecksumMismatch, MissingLayer, PeerUnavailable,
-                ProtocolError, Unauthenticated, FrameReplayed, LeaseMismatch)
-}
-
-
-def error_from_name(name: str | None, message: str) -> TransferError:
-    """The error a peer reported by class name (unknown names become plain :class:`TransferError`)."""
-    return ERRORS.get(name or "", TransferError)(message)
-
-
-def transfer_deadline(num_bytes: int, *, base_s: float = 5.0, min_rate_bps: float = 50e6) -> float:
-    """Absolute deadline (``time.time()`` seconds) for moving ``num_bytes``: ``now + base_s + num_bytes / rate``.
-
-    ``min_rate_bps`` is the slowest rate in BYTES per second the caller still considers healthy.
-    """
-    assert num_bytes >= 0 and base_s >= 0 and min_rate_bps > 0
-    return time.time() + base_s + num_bytes / min_rate_bps
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Shape of one layer's KV for one block: K and V are each ``[block_size, num_kv_heads, head_dim]``."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"KVLayout.{name} must be a positive int, got {getattr(self, name)!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    def block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
-        """Shape of K (and of V) for ``num_blocks`` blocks of one layer."""
-        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-
-    def layer_nbytes(self, num_blocks: int) -> int:
-        """Bytes of K plus V for ``num_blocks`` blocks of one layer, uncompressed."""
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * math.prod(self.block_shape(num_blocks)) * itemsize
-
-    def transfer_nbytes(self, num_blocks: int) -> int:
-        """Bytes of every layer's K and V for ``num_blocks`` blocks, uncompressed."""
-        return self.num_layers * self.layer_nbytes(num_blocks)
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One named tensor of a state frame: its shape and dtype name (a key of :data:`DTYPES`)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(x) for x in self.shape))
-        if not self.name or not isinstance(self.name, str) or any(x <= 0 for x in self.shape):
-            raise ValueError(f"TensorSpec needs a name and a positive shape, got {self.name!r} {self.shape}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"TensorSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-
-
-@dataclass(frozen=True)
-class StateLayout:
-    """Per-request state that travels beside the KV (hybrid models): ``num_frames`` state frames, each holding one
-    tensor per spec (:mod:`kv_transfer.state_frames`)."""
-
-    num_frames: int
-    tensors: tuple[TensorSpec, ...]
-
-    def __post_init__(self) -> None:
-        specs = tuple(s if isinstance(s, TensorSpec) else TensorSpec(**s) for s in self.tensors)
-        object.__setattr__(self, "tensors", specs)
-        if not isinstance(self.num_frames, int) or self.num_frames <= 0 or not specs:
-            raise ValueError(f"StateLayout needs num_frames > 0 and tensors, got {self.num_frames!r}, {specs}")
-        if len({s.name for s in specs}) != len(specs):
-            raise ValueError("StateLayout tensor names must be distinct")
-
-    @property
-    def frame_nbytes(self) -> int:
-        return sum(s.nbytes for s in self.tensors)
-
-    @property
-    def transfer_nbytes(self) -> int:
-        return self.num_frames * self.frame_nbytes
-
-
-@dataclass(frozen=True)
-class Lease:
-    """The decode side's promise: blocks are reserved for ``request_id`` until ``deadline_s`` (absolute wall time).
-
-    Crosses processes as ``to_dict()`` (msgpack-able, with a ``"version"`` field). ``lease_id`` is fresh per lease
-    (public): with the cluster secret it derives the lease's one-time token (:mod:`kv_transfer.auth`).
-    """
-
-    request_id: str
-    num_blocks: int
-    layout: KVLayout
-    transport: str
-    endpoint: str
-    deadline_s: float
-    lease_id: str = field(default_factory=lambda: secrets.token_hex(16))
-    state: StateLayout | None = None  # state frames expected beside the KV (None: KV only)
-
-    def __post_init__(self) -> None:
-        if not self.request_id or not isinstance(self.request_id, str):
-            raise ValueError(f"Lease.request_id must be a non-empty str, got {self.request_id!r}")
-        if not isinstance(self.num_blocks, int) or self.num_blocks <= 0:
-            raise ValueError(f"Lease.num_blocks must be a positive int, got {self.num_blocks!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"version": LEASE_VERSION, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Lease:
-        """Inverse of :meth:`to_dict`; raises :class:`ProtocolError` for an unknown version or a malformed dict."""
-        if not isinstance(d, dict) or d.get("version") not in (1, LEASE_VERSION):
-            got = d.get("version") if isinstance(d, dict) else type(d).__name__
-            raise ProtocolError(f"lease version {got!r} is not supported (expected <= {LEASE_VERSION})")
-        try:
-            fields = {k: v for k, v in d.items() if k != "version"}
-            state = fields.get("state")
-            if state is not None:
-                state = StateLayout(**state)
-            return cls(**{**fields, "layout": KVLayout(**fields["layout"]), "state": state})
-        except (TypeError, KeyError, ValueError) as e:
-            raise ProtocolError(f"malformed lease: {e}") from e
-
-
 class KVSender(abc.ABC):
     """Prefill side of one request's transfer. Made by ``KVManager.sender(lease)``; used from one thread.
 
     * ``send_layer(layer, k, v, ctx=None)``: once per layer, any order. Non-blocking: copies ``k``/``v`` and the
       context's tensors (so the caller may reuse its buffers as soon as it returns) and enqueues; encoding,
-      checksums and I/O run on a transport thread. ``ctx`` (:class:`~kv_transfer.compression.CodecContext`: valid
+      checksums and I/O run on a transport thread. ``ctx`` (:class:`~kv_transfer.codec.CodecContext`: valid
       tokens, which are visual, importance scores) is for compressing codecs; the identity codec ignores it.
       Raises ``ValueError`` for a wrong shape/dtype, a context that does not fit, a layer out of range or sent
       twice, or a call after ``finish``. After the transfer FAILED it drops the layer silently (check ``poll()``).
@@ -299,10 +133,22 @@ class KVReceiver(abc.ABC):
     State frames (leases with a :class:`StateLayout`) go to ``state_sink(index, tensors)`` under the same rules; the
     decode side sets it right after ``expect`` returns, before it hands out the lease. SUCCESS then also needs every
     state frame.
+
+    What the decode side may set or read besides the methods (every receiver has these; the defaults below are what
+    a receiver that does not override them means):
+
+    * ``decode_device``: where received payloads are decoded (after their checksums), set by the decode side right
+      after ``expect`` like ``state_sink`` -- the pool's device, so compressed layers are decoded where they land.
+      None (the default): where the payload arrives.
+    * ``wire_bytes``: payload bytes of the verified layers so far (what travelled, after compression), read once the
+      receiver is terminal. None (the default): this receiver does not count them; the decode side then reports the
+      decoded bytes.
     """
 
     lease: Lease
     state_sink: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+    decode_device: torch.device | None = None
+    wire_bytes: int | None = None
 
     @property
     @abc.abstractmethod

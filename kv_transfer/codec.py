@@ -16,21 +16,54 @@ frames from any version verify alike. No pickle: tensors travel as raw bytes in 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from isal.isal_zlib import crc32
 
-from kv_transfer.base import (
-    DTYPES,
-    ChecksumMismatch,
-    KVLayout,
-    ProtocolError,
-    TransferError,
-)
+from kv_transfer.errors import ChecksumMismatch, ProtocolError, TransferError
+from kv_transfer.layout import DTYPES, KVLayout
 
-if TYPE_CHECKING:
-    from kv_transfer.compression import CodecContext
+
+@dataclass(eq=False)
+class CodecContext:
+    """What the codec needs to know about one request's layer. Positions are ``block * block_size + offset``.
+
+    * ``num_tokens``: valid tokens; positions from here to the end of the last block are padding (not sent).
+    * ``visual``: bool ``[num_tokens]``, True for image tokens.
+    * ``k_channel_score`` / ``v_channel_score``: float ``[num_kv_heads, head_dim]``, higher = more important
+      (default: the per-channel L2 norm of K resp. V over the section's tokens).
+    * ``token_score``: float ``[num_tokens]``, higher = keep (default: the L2 norm of K over heads and channels).
+    """
+
+    num_tokens: int
+    visual: torch.Tensor
+    k_channel_score: torch.Tensor | None = None
+    v_channel_score: torch.Tensor | None = None
+    token_score: torch.Tensor | None = None
+
+    def check(self, shape: tuple[int, ...]) -> None:
+        """Raise ``ValueError`` unless this context fits K/V of ``shape`` = ``[num_blocks, block_size, kvh, d]``."""
+        nb, bs, kvh, d = shape
+        if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) \
+                or not 0 <= self.num_tokens <= nb * bs:
+            raise ValueError(f"CodecContext.num_tokens must be an int in [0, {nb * bs}], got {self.num_tokens!r}")
+        if not isinstance(self.visual, torch.Tensor) or self.visual.dtype != torch.bool \
+                or tuple(self.visual.shape) != (self.num_tokens,):
+            raise ValueError(f"CodecContext.visual must be a bool tensor [{self.num_tokens}]")
+        for name, want in (("k_channel_score", (kvh, d)), ("v_channel_score", (kvh, d)),
+                           ("token_score", (self.num_tokens,))):
+            t = getattr(self, name)
+            if t is not None and (not isinstance(t, torch.Tensor) or not t.is_floating_point()
+                                  or tuple(t.shape) != want):
+                raise ValueError(f"CodecContext.{name} must be None or a float tensor {list(want)}")
+
+    def detached(self) -> CodecContext:
+        """A copy owning its tensors, so the caller may reuse its own at once."""
+        own = {f: getattr(self, f).detach().clone() for f in ("visual", "k_channel_score", "v_channel_score",
+                                                               "token_score") if getattr(self, f) is not None}
+        return replace(self, **own)
 
 
 @runtime_checkable

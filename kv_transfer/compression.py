@@ -41,14 +41,14 @@ group * 2 B + 2304 = 2448 B; plus a 5-byte token mask: 5013 B for what float32 s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from kv_transfer.base import KVLayout, ProtocolError
-from kv_transfer.codec import Codec, get_codec, register_codec
+from kv_transfer.codec import Codec, CodecContext, get_codec, register_codec  # noqa: F401 - CodecContext: API
+from kv_transfer.errors import ProtocolError
+from kv_transfer.layout import KVLayout
 from kv_transfer.compression_int import (  # noqa: F401 - FP8_MAX and SCALE_DTYPES are part of this module's API
     FP8_MAX,
     SCALE_DTYPES,
@@ -84,46 +84,6 @@ _CPU = torch.device("cpu")
 def codec_for(policy: CompressionPolicy | None) -> Codec:
     """The codec a sender should use for ``policy``: the identity codec for None, else a :class:`ModalCodec`."""
     return get_codec("identity") if policy is None else ModalCodec(policy)
-
-
-@dataclass(eq=False)
-class CodecContext:
-    """What the codec needs to know about one request's layer. Positions are ``block * block_size + offset``.
-
-    * ``num_tokens``: valid tokens; positions from here to the end of the last block are padding (not sent).
-    * ``visual``: bool ``[num_tokens]``, True for image tokens.
-    * ``k_channel_score`` / ``v_channel_score``: float ``[num_kv_heads, head_dim]``, higher = more important
-      (default: the per-channel L2 norm of K resp. V over the section's tokens).
-    * ``token_score``: float ``[num_tokens]``, higher = keep (default: the L2 norm of K over heads and channels).
-    """
-
-    num_tokens: int
-    visual: torch.Tensor
-    k_channel_score: torch.Tensor | None = None
-    v_channel_score: torch.Tensor | None = None
-    token_score: torch.Tensor | None = None
-
-    def check(self, shape: tuple[int, ...]) -> None:
-        """Raise ``ValueError`` unless this context fits K/V of ``shape`` = ``[num_blocks, block_size, kvh, d]``."""
-        nb, bs, kvh, d = shape
-        if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) \
-                or not 0 <= self.num_tokens <= nb * bs:
-            raise ValueError(f"CodecContext.num_tokens must be an int in [0, {nb * bs}], got {self.num_tokens!r}")
-        if not isinstance(self.visual, torch.Tensor) or self.visual.dtype != torch.bool \
-                or tuple(self.visual.shape) != (self.num_tokens,):
-            raise ValueError(f"CodecContext.visual must be a bool tensor [{self.num_tokens}]")
-        for name, want in (("k_channel_score", (kvh, d)), ("v_channel_score", (kvh, d)),
-                           ("token_score", (self.num_tokens,))):
-            t = getattr(self, name)
-            if t is not None and (not isinstance(t, torch.Tensor) or not t.is_floating_point()
-                                  or tuple(t.shape) != want):
-                raise ValueError(f"CodecContext.{name} must be None or a float tensor {list(want)}")
-
-    def detached(self) -> CodecContext:
-        """A copy owning its tensors, so the caller may reuse its own at once."""
-        own = {f: getattr(self, f).detach().clone() for f in ("visual", "k_channel_score", "v_channel_score",
-                                                               "token_score") if getattr(self, f) is not None}
-        return replace(self, **own)
 
 
 def _kept_channels(x: torch.Tensor, keep: float, score: torch.Tensor | None) -> torch.Tensor | None:

@@ -16,7 +16,8 @@ import msgpack
 import numpy as np
 import torch
 
-from kv_transfer.base import KVLayout, ProtocolError
+from kv_transfer.errors import ProtocolError
+from kv_transfer.layout import KVLayout
 from kv_transfer.compression_int import SCALE_DTYPES, Encoding
 from kv_transfer.compression_policy import SECTIONS, CompressionPolicy, InvalidPolicy, check_method, is_int
 

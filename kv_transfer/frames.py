@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 
-from kv_transfer.base import ProtocolError, TransferError
+from kv_transfer.errors import ProtocolError, TransferError
 
 FRAME_VERSION = 1
 TO_RECEIVER, TO_SENDER = "receiver", "sender"

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_transfer.base import ProtocolError
+from kv_transfer.errors import ProtocolError
 
 HANDOFF_VERSION = 3
 LEGACY_VERSION = 1  # a meta map without "v"

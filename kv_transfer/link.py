@@ -3,8 +3,8 @@
 A link has an :class:`Outbox` (control frames first, then layer/finish jobs in FIFO order) drained by ONE send
 thread, which encodes each job (codec + checksums) and transmits it, or a ``ping`` when idle. Incoming frames
 reach :meth:`Link.on_frame` from the transport's receive path and are routed by the manager's
-:class:`~kv_transfer.routing.Dispatcher` to the sender or receiver of their request. Transfers using a link are
-its *members*: when the link dies they all end FAILED with :class:`PeerUnavailable`.
+:class:`FrameRouter` (a :class:`~kv_transfer.routing.Dispatcher`) to the sender or receiver of their request.
+Transfers using a link are its *members*: when the link dies they all end FAILED with :class:`PeerUnavailable`.
 
 Link states: CONNECTING -> UP -> CLOSING (bye sent or received) -> CLOSED.
 """
@@ -15,7 +15,7 @@ import logging
 import threading
 from collections import deque
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,11 +23,15 @@ from kv_transfer import frames
 from kv_transfer.base import KVPoll, PeerUnavailable, TransferError
 from kv_transfer.transfer import BaseSender, ControlJob, FinishJob, LayerJob, Transfer
 
-if TYPE_CHECKING:
-    from kv_transfer.routing import Dispatcher
-
 log = logging.getLogger(__name__)
 Item = dict[str, Any] | ControlJob | LayerJob | FinishJob  # a dict: a link frame (ping / bye)
+
+
+class FrameRouter(Protocol):
+    """What a link hands its request frames to (a manager's :class:`~kv_transfer.routing.Dispatcher`)."""
+
+    def route(self, header_bytes: bytes, payload: torch.Tensor | None, link: Link) -> None:
+        """Receive path: deliver one request frame that came on ``link`` (never raises for a bad frame)."""
 
 
 class LinkState(IntEnum):
@@ -81,7 +85,7 @@ class Link:
     """Base of a transport link. Subclasses implement ``_connect()`` (bounded) and ``_transmit(header, payload)``
     and call :meth:`on_frame` for each incoming frame and :meth:`die` when their receive path breaks."""
 
-    def __init__(self, *, dispatcher: Dispatcher, keepalive_s: float, name: str) -> None:
+    def __init__(self, *, dispatcher: FrameRouter, keepalive_s: float, name: str) -> None:
         self.dispatcher, self.keepalive_s, self.name = dispatcher, keepalive_s, name
         self.state = LinkState.CONNECTING
         self.outbox = Outbox()
@@ -90,7 +94,7 @@ class Link:
         self._send_thread = threading.Thread(target=self._run, name=f"kv-send-{name}", daemon=True)
 
     @classmethod
-    def unreachable(cls, dispatcher: Dispatcher, name: str) -> Link:
+    def unreachable(cls, dispatcher: FrameRouter, name: str) -> Link:
         """A link that is already CLOSED: transfers given it fail at once with PeerUnavailable."""
         link = cls.__new__(cls)
         Link.__init__(link, dispatcher=dispatcher, keepalive_s=1.0, name=name)

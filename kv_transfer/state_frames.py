@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from kv_transfer.base import DTYPES, ChecksumMismatch, ProtocolError, StateLayout
+from kv_transfer.errors import ChecksumMismatch, ProtocolError
+from kv_transfer.layout import DTYPES, StateLayout
 
 STATE_FORMAT = 1
 

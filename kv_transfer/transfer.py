@@ -31,12 +31,11 @@ from kv_transfer.base import (
     TransferTimeout,
     error_from_name,
 )
-from kv_transfer.codec import Codec, decode_layer, encode_layer
+from kv_transfer.codec import Codec, CodecContext, decode_layer, encode_layer
 from kv_transfer.state_frames import decode_state, encode_state
 
 if TYPE_CHECKING:
     from kv_transfer.auth import LeaseAuth
-    from kv_transfer.compression import CodecContext
 
 log = logging.getLogger(__name__)
 TERMINAL = (KVPoll.FAILED, KVPoll.SUCCESS)

@@ -26,7 +26,16 @@ import torch.distributed as dist
 from kv_transfer.auth import ClusterSecret, DataPlaneAuth
 from kv_transfer.base import KVManager, Lease, PeerUnavailable, Sink, TransferAborted, Unauthenticated
 from kv_transfer.codec import Codec, get_codec
-from kv_transfer.gloo import rendezvous
+from kv_transfer.gloo.rendezvous import (
+    JoinWatcher,
+    announce,
+    challenge,
+    connect_store,
+    host_store,
+    make_groups,
+    pair_prefix,
+    prove,
+)
 from kv_transfer.gloo.pair import GroupsFactory, Pair
 from kv_transfer.link import LinkState
 from kv_transfer.routing import Dispatcher, LinkReceiver, LinkSender
@@ -80,10 +89,10 @@ class Manager(KVManager):
         self._out: dict[str, Pair] = {}  # pairs this manager started (prefill role), by decode endpoint
         self._in: set[Pair] = set()  # pairs peers started (decode role)
         self._closed = False
-        self._store = rendezvous.host_store(host)
+        self._store = host_store(host)
         self._endpoint = f"{host}:{self._store.port}/{self._worker_id}"
         self._watch = DeadlineWatch(f"kv-deadline-{self._worker_id}")
-        self._watcher = rendezvous.JoinWatcher(host, self._store.port, self._accept)
+        self._watcher = JoinWatcher(host, self._store.port, self._accept)
 
     @classmethod
     def _check_host(cls) -> torch.device:
@@ -156,13 +165,13 @@ class Manager(KVManager):
             pair_key = f"{self._worker_id}/{uuid.uuid4().hex[:8]}"
 
             def connect() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-                store = rendezvous.connect_store(host, port, self._connect_timeout_s)
-                slot = rendezvous.announce(store, pair_key=pair_key, prefill_id=self._worker_id)
-                prefix = rendezvous.pair_prefix(pair_key)
+                store = connect_store(host, port, self._connect_timeout_s)
+                slot = announce(store, pair_key=pair_key, prefill_id=self._worker_id)
+                prefix = pair_prefix(pair_key)
                 if self._auth.secret is not None:
-                    prefix = rendezvous.prove(store, slot, pair_key=pair_key, secret=self._auth.secret,
+                    prefix = prove(store, slot, pair_key=pair_key, secret=self._auth.secret,
                                               timeout_s=self._connect_timeout_s)
-                return rendezvous.make_groups(store, prefix, rank=1, host=self._host, nccl=self.nccl,
+                return make_groups(store, prefix, rank=1, host=self._host, nccl=self.nccl,
                                               timeout_s=self._op_timeout_s)
 
             pair = self._out[endpoint] = self._new_pair(rank=1, connect=connect, name=f"{pair_key}->{decode_id}")
@@ -173,16 +182,16 @@ class Manager(KVManager):
         pair_key, slot = str(record["pair_key"]), int(record["slot"])
 
         def connect() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-            store = rendezvous.connect_store(self._host, self._store.port, self._connect_timeout_s)
-            prefix = rendezvous.pair_prefix(pair_key)
+            store = connect_store(self._host, self._store.port, self._connect_timeout_s)
+            prefix = pair_prefix(pair_key)
             if self._auth.secret is not None:
                 try:  # nothing of the pair's is read from the store before the joiner proved the secret
-                    prefix = rendezvous.challenge(store, slot, pair_key=pair_key, secret=self._auth.secret,
+                    prefix = challenge(store, slot, pair_key=pair_key, secret=self._auth.secret,
                                                   timeout_s=self._connect_timeout_s)
                 except Unauthenticated as e:
                     self._auth.refusals.add(e, f"a gloo join (slot {slot})")
                     raise
-            return rendezvous.make_groups(store, prefix, rank=0, host=self._host, nccl=self.nccl,
+            return make_groups(store, prefix, rank=0, host=self._host, nccl=self.nccl,
                                           timeout_s=self._op_timeout_s)
 
         with self._lock:
