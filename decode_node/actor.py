@@ -22,12 +22,12 @@ from decode_node.expert_group import ExpertGroup, host_store
 from decode_node.expert_parallel import ExpertParallelConfig
 from decode_node.expert_slots import SlotTable
 from decode_node.expert_tiers import TierConfig
-from decode_node.worker import DecodeWorker, StepReport
+from decode_node.worker import DecodeWorker
 from engine import EngineConfig
 from engine.errors import DuetError
-from kv_transfer import ClusterSecret, get_manager_class
+from kv_transfer import DEFAULT_LEASE, ClusterSecret, LeasePolicy, get_manager_class
 from node_common import messages, prompt_wire
-from node_common.events import DecodeEvent, RequestFailed, TokenEvent
+from node_common.events import DecodeEvent
 from node_common.worker_actor import WorkerActorBase
 
 logger = logging.getLogger(__name__)
@@ -37,21 +37,21 @@ class DecodeActor(WorkerActorBase):
     role = "decode"
 
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *,
-                 num_threads: int = 1, cpus: list[int] | None = None, lease_base_s: float = 5.0, lease_min_rate_bps: float = 50e6,
+                 num_threads: int = 1, cpus: list[int] | None = None, lease_base_s: float = DEFAULT_LEASE.base_s,
+                 lease_min_rate_bps: float = DEFAULT_LEASE.min_rate_bps,
                  compression: dict | None = None, expert_parallel: dict | None = None,
                  expert_tiers: dict | None = None, secret: ClusterSecret | None = None) -> None:
         self._init_common(worker_id, num_threads, cpus)
         # secret: the cluster's data-plane key (None: data_plane_auth "off"), a constructor argument pickled by Ray
         self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret)
         ep = None if expert_parallel is None else ExpertParallelConfig(**expert_parallel)
-        self.worker = DecodeWorker(model_dir, EngineConfig(**engine_config), self.manager, lease_base_s=lease_base_s,
-                                   lease_min_rate_bps=lease_min_rate_bps, compression=compression,
+        self.worker = DecodeWorker(model_dir, EngineConfig(**engine_config), self.manager,
+                                   lease=LeasePolicy(lease_base_s, lease_min_rate_bps), compression=compression,
                                    expert_parallel=ep,
                                    expert_tiers=None if expert_tiers is None else TierConfig(**expert_tiers))
         self.cond = threading.Condition()
         self.wake = threading.Event()  # set by allocate: an idle loop sleeps on it instead of polling
         self.pending: list[DecodeEvent] = []  # token deltas and failures not yet polled
-        self.sent: dict[str, dict[int, int]] = {}  # request -> choice -> tokens reported (-1: its end reported)
         self.thread: threading.Thread | None = None
         self._store = None  # rank 0 of an expert-parallel group hosts the rendezvous store
         if ep is None:
@@ -102,7 +102,6 @@ class DecodeActor(WorkerActorBase):
             with self.lock:
                 lease = self.worker.allocate(m["request_id"], prompt_wire.prompt_from_wire(m["prompt"]),
                                              messages.params_from_dict(m["params"]))
-                self.sent[m["request_id"]] = {}
         except messages.REPLY_ERRORS as e:
             return messages.error_reply(e)
         self.wake.set()
@@ -110,7 +109,6 @@ class DecodeActor(WorkerActorBase):
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
-            self.sent.pop(request_id, None)
             return self.worker.abort(request_id)
 
     def poll(self, timeout_s: float = 0.05) -> bytes:
@@ -133,7 +131,7 @@ class DecodeActor(WorkerActorBase):
             tiers = None if self.worker.tiers is None else self.worker.tiers.summary()
             kv = e.kv_memory()
             return messages.pack(worker_id=self.worker_id, free_blocks=self.worker.free_blocks,
-                                 max_model_len=e.max_model_len, receiving=len(self.worker.receivers),
+                                 max_model_len=e.max_model_len, receiving=self.worker.receiving,
                                  kv_pool_bytes=kv.pool_bytes, kv_mirror_bytes=kv.mirror_bytes,
                                  kv_state_bytes=kv.state_bytes, running=len(e.scheduler.running),
                                  step_s=self.worker.step_s, cpu_s=time.process_time(),
@@ -157,9 +155,9 @@ class DecodeActor(WorkerActorBase):
         while not self.stopped:
             with self.lock:
                 decoding = self.worker.engine.has_unfinished_requests()
-                events = self._step() if decoding or self.worker.receivers else []
+                events = self._step() if decoding or self.worker.receiving else []
             self._publish(events)
-            if not decoding and self.worker.receivers:
+            if not decoding and self.worker.receiving:
                 # Only transfers in flight: poll them every 2 ms instead of spinning, which would starve the
                 # transport's receive thread of the GIL and slow every transfer ~100x.
                 time.sleep(0.002)
@@ -172,7 +170,7 @@ class DecodeActor(WorkerActorBase):
         while True:
             with self.lock:
                 report, plan = self.worker.group_step(stop=self.stopped)
-                events = self._events(report)
+                events = report.events
             self._publish(events)
             if plan is not None and plan.stop:
                 break
@@ -192,41 +190,7 @@ class DecodeActor(WorkerActorBase):
 
     def _step(self) -> list[DecodeEvent]:
         try:
-            report = self.worker.step()
+            return self.worker.step().events
         except Exception as e:  # fail the batch rather than the worker
             logger.exception("decode step failed")
-            failed = list(self.worker.engine.requests)
-            for rid in failed:
-                self.worker.abort(rid, "decode step failed")
-            return [RequestFailed(rid, f"decode step failed: {e}") for rid in failed]
-        return self._events(report)
-
-    def _events(self, report: StepReport) -> list[DecodeEvent]:
-        events: list[DecodeEvent] = [RequestFailed(rid, why) for rid, why in report.failed.items()]
-        for rid in report.failed:
-            self.sent.pop(rid, None)
-        ended: set[str] = set()
-        for out in report.outputs:
-            rid = out.request_id
-            if rid in ended:
-                continue  # an n > 1 commit returns one finished output per choice, each holding every choice
-            sent = self.sent.setdefault(rid, {})
-            fresh = [(c, sent.get(c.index, 0)) for c in out.outputs if sent.get(c.index, 0) >= 0]  # -1: end reported
-            for i, (c, start) in enumerate(fresh):
-                extra = {}
-                if c.logprobs is not None:
-                    # the engine's list, which a later step of the same report may have grown: cut at the tokens
-                    extra["logprobs"] = [lp.to_wire() for lp in c.logprobs[start:len(c.token_ids)]]
-                if c.index == 0 and start == 0 and out.prompt_logprobs is not None:
-                    extra["prompt_logprobs"] = [None if x is None else x.to_wire() for x in out.prompt_logprobs]
-                if c.index == 0:
-                    extra["expert_hist"] = report.routing_hints.get(rid)
-                    extra["kv_transfer"] = report.transfers.get(rid)
-                # only the request's last event says finished: a consumer stops reading there
-                events.append(TokenEvent(rid, c.index, c.token_ids[start:], finished=out.finished and i == len(fresh) - 1,
-                                         choice_finished=c.finished, finish_reason=c.finish_reason, **extra))
-                sent[c.index] = -1 if c.finished else len(c.token_ids)
-            if out.finished:
-                self.sent.pop(rid, None)
-                ended.add(rid)
-        return events
+            return self.worker.fail_all(f"decode step failed: {e}").events

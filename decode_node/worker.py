@@ -22,6 +22,11 @@ worker fails it with :class:`PromptRecomputeUnavailable` -- a failure the front-
 failed transfer. Keeping the pixels (or a reference to the prefill worker's) for a rare preemption would put image
 data back on the decode wire for every request. Text-only prompts recompute here as before.
 
+Per request the worker keeps one :class:`~decode_node.request_state.DecodeRequest` in ``requests`` (its lease, its
+receiver while receiving, its transfer clock, what was reported of it), added by :meth:`DecodeWorker.allocate` and
+removed by ``_forget`` when it finishes, is aborted or fails. Each ``step``/``group_step`` report ends with the typed
+events of that iteration (:func:`~decode_node.request_state.step_events`), which the actor publishes.
+
 Threading: ``poll_transfers``/``step``/``group_step`` run on the worker's loop; the transport's thread only calls the
 sink, which writes under ``recv_lock`` and only while the request is still receiving, so a released block is never
 written.
@@ -32,7 +37,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,21 +45,23 @@ import torch
 from decode_node.expert_group import GroupUnavailable, TickPlan
 from decode_node.expert_parallel import ExpertParallel, ExpertParallelConfig
 from decode_node.expert_tiers import ExpertTiers, TierConfig
-from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from decode_node.request_state import DecodeRequest, StepReport, TransferClock, step_events
+from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import DuetError, InvalidRequestError
+from engine.outputs import TokenLogprobs
 from kv_transfer import (
+    DEFAULT_LEASE,
     KVLayout,
     KVManager,
     KVPoll,
     KVReceiver,
     Lease,
+    LeasePolicy,
     ProtocolError,
     StateLayout,
     TensorSpec,
-    transfer_deadline,
 )
 from kv_transfer.compression import CompressionPolicy, resolve_policy
-from engine.outputs import TokenLogprobs
 from kv_transfer.handoff import Handoff, check_mrope_delta, generator_from_state
 
 logger = logging.getLogger(__name__)
@@ -74,34 +80,13 @@ def _first_tokens(handoff: Handoff) -> dict:
                         for c in handoff.choices]}
 
 
-@dataclass
-class StepReport:
-    """What one loop iteration produced: token outputs, and failures (request id -> reason)."""
-
-    outputs: list[RequestOutput] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
-    routing_hints: dict[str, list[list[int]]] = field(default_factory=dict)
-    transfers: dict[str, dict] = field(default_factory=dict)  # kv_transfer stats of requests committed now
-
-
-@dataclass
-class _TransferClock:
-    started_s: float
-    first_s: float | None = None
-    last_s: float | None = None
-    nbytes: int = 0
-    layers: int = 0
-    state_bytes: int = 0  # hybrid models' GDN state frames (apart from the KV bytes)
-    state_frames: int = 0
-
-
 class DecodeWorker:
-    def __init__(self, model_dir: str | Path, config: EngineConfig, manager: KVManager, *, lease_base_s: float = 5.0,
-                 lease_min_rate_bps: float = 50e6, compression: str | dict | CompressionPolicy | None = None,
+    def __init__(self, model_dir: str | Path, config: EngineConfig, manager: KVManager, *,
+                 lease: LeasePolicy = DEFAULT_LEASE, compression: str | dict | CompressionPolicy | None = None,
                  expert_parallel: ExpertParallelConfig | None = None, expert_tiers: TierConfig | None = None) -> None:
         if expert_parallel is not None and expert_tiers is not None:
             raise InvalidRequestError("tiered expert memory is not supported on expert-parallel decode workers yet")
-        self.lease_base_s, self.lease_min_rate_bps = lease_base_s, lease_min_rate_bps
+        self.lease_policy = lease
         # the cluster's policy: with one, received KV is approximate and stays out of the prefix cache (how each
         # frame was encoded is read from its header, not from here)
         self.lossy = resolve_policy(compression) is not None
@@ -115,8 +100,7 @@ class DecodeWorker:
         specs = self.engine.runner.state_specs()
         self.state_layout = StateLayout(len(t.state_layers), tuple(
             TensorSpec(name, shape, str(dt).removeprefix("torch.")) for name, shape, dt in specs)) if specs else None
-        self.receivers: dict[str, KVReceiver] = {}
-        self.clocks: dict[str, _TransferClock] = {}
+        self.requests: dict[str, DecodeRequest] = {}  # every request from allocate until it ends (module docstring)
         self.recv_lock = threading.Lock()
         self.step_s = 0.0  # seconds in decode steps (the rest of the process's CPU time is intake, KV, polls)
         self.ep = None if expert_parallel is None else ExpertParallel(self.engine, model_dir, expert_parallel)
@@ -125,6 +109,16 @@ class DecodeWorker:
     @property
     def free_blocks(self) -> int:
         return self.engine.block_manager.num_free_blocks
+
+    @property
+    def receiving(self) -> int:
+        """Requests whose KV is still arriving."""
+        return sum(r.receiving for r in self.requests.values())
+
+    @property
+    def receivers(self) -> dict[str, KVReceiver]:
+        """The receiving requests' receivers by request id (a view of ``requests``, for tests and tools)."""
+        return {rid: r.receiver for rid, r in self.requests.items() if r.receiver is not None}
 
     def allocate(self, request_id: str, prompt: Any, params: SamplingParams) -> Lease:
         """Reserve blocks and issue a lease. Raises the engine's typed errors (OutOfBlocksError when full), and
@@ -137,94 +131,88 @@ class DecodeWorker:
         nbytes += 0 if self.state_layout is None else self.state_layout.transfer_nbytes
         lease = Lease(request_id=request_id, num_blocks=len(blocks), layout=self.layout,
                       transport=self.manager.name, endpoint=self.manager.endpoint,
-                      deadline_s=transfer_deadline(nbytes, base_s=self.lease_base_s,
-                                                   min_rate_bps=self.lease_min_rate_bps), state=self.state_layout)
-        self.clocks[request_id] = _TransferClock(time.time())
+                      deadline_s=self.lease_policy.deadline(nbytes), state=self.state_layout)
+        clock = TransferClock()
         try:
-            receiver = self.manager.expect(lease, self._sink(request_id))
-            if hasattr(receiver, "decode_device"):  # decode compressed layers where the pool is
-                receiver.decode_device = self.engine.runner.device
+            receiver = self.manager.expect(lease, self._sink(request_id, clock))
+            receiver.decode_device = self.engine.runner.device  # decode compressed layers where the pool is
             if self.state_layout is not None:
-                receiver.state_sink = self._state_sink(request_id)
-            self.receivers[request_id] = receiver
+                receiver.state_sink = self._state_sink(request_id, clock)
         except Exception:
             self._release(request_id)
             raise
+        self.requests[request_id] = DecodeRequest(request_id, lease, receiver, clock)
         return lease
 
-    def _sink(self, request_id: str):
+    def _sink(self, request_id: str, clock: TransferClock):
         def write(layer: int, k: torch.Tensor, v: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
             with self.recv_lock:
                 if request_id in self.engine.receiving:
                     self.engine.write_layer(request_id, self.kv_layers[layer], k, v, dropped)
-                    clock = self.clocks.get(request_id)
-                    if clock is not None:
-                        now = time.time()
-                        clock.first_s = clock.first_s or now
-                        clock.last_s, clock.nbytes, clock.layers = now, clock.nbytes + k.nbytes + v.nbytes, clock.layers + 1
+                    clock.on_layer(k.nbytes + v.nbytes)
         return write
 
-    def _state_sink(self, request_id: str):
+    def _state_sink(self, request_id: str, clock: TransferClock):
         def write(index: int, tensors: dict[str, torch.Tensor]) -> None:
             with self.recv_lock:
                 if request_id in self.engine.receiving:
                     self.engine.write_state(request_id, self.state_layers[index], tensors)
-                    clock = self.clocks.get(request_id)
-                    if clock is not None:
-                        clock.state_bytes += sum(t.nbytes for t in tensors.values())
-                        clock.state_frames += 1
+                    clock.on_state(sum(t.nbytes for t in tensors.values()))
         return write
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
-        receiver = self.receivers.pop(request_id, None)
-        self.clocks.pop(request_id, None)
+        record = self._forget(request_id)
         if self.tiers is not None:
             self.tiers.on_requests([], [request_id])
-        if receiver is not None:
-            receiver.abort(reason)
+        if record is not None and record.receiver is not None:
+            record.receiver.abort(reason)
             return self._release(request_id)
         return self.engine.abort_request(request_id)
+
+    def _forget(self, request_id: str) -> DecodeRequest | None:
+        """The one place a request's record goes: it finished, was aborted or failed."""
+        return self.requests.pop(request_id, None)
 
     def _release(self, request_id: str) -> bool:
         with self.recv_lock:
             return self.engine.release_prefill(request_id)
 
+    def _fail_transfer(self, report: StepReport, request_id: str, reason: str) -> None:
+        """A receiving request whose KV or hand-off cannot be decoded: free its blocks and report it."""
+        self._forget(request_id)
+        self._release(request_id)  # no-op when the engine released it already
+        report.failed[request_id] = reason
+
     def poll_transfers(self, report: StepReport) -> None:
         """Commit finished transfers, release failed ones."""
-        for rid, receiver in list(self.receivers.items()):
-            state = receiver.poll()
+        for rid, record in list(self.requests.items()):
+            receiver = record.receiver
+            state = KVPoll.WAITING if receiver is None else receiver.poll()
             if state == KVPoll.SUCCESS:
-                del self.receivers[rid]
+                record.receiver = None  # committed (or failed below): no longer receiving
                 try:
                     handoff = self._accept_handoff(rid, receiver.meta)
                 except ProtocolError as e:  # a hand-off this side cannot trust: never decode from it
                     logger.error("request %s: %s", rid, e)
-                    self.clocks.pop(rid, None)
-                    self._release(rid)
-                    report.failed[rid] = f"{type(e).__name__}: {e}"
+                    self._fail_transfer(report, rid, f"{type(e).__name__}: {e}")
                     continue
                 try:
                     outs = self.engine.commit_prefilled(rid, handoff.first_token, handoff.generator(),
                                                         lossy=self.lossy, **_first_tokens(handoff))
                 except (InvalidRequestError, TypeError, ValueError) as e:  # choices that do not match the request
                     logger.error("request %s: bad hand-off: %s", rid, e)
-                    self.clocks.pop(rid, None)
-                    self._release(rid)  # no-op when the engine released it already
-                    report.failed[rid] = f"ProtocolError: malformed hand-off: {e}"
+                    self._fail_transfer(report, rid, f"ProtocolError: malformed hand-off: {e}")
                     continue
                 if handoff.expert_hist is not None:
                     report.routing_hints[rid] = handoff.expert_hist
                     if self.tiers is not None:  # pre-warm this request's experts before its first decode step
                         self.tiers.on_requests([(rid, handoff.expert_hist)], [])
-                report.transfers[rid] = self._transfer_stats(rid, handoff)
-                report.transfers[rid]["wire_bytes"] = getattr(receiver, "wire_bytes", report.transfers[rid]["bytes"])
+                stats = report.transfers[rid] = self._transfer_stats(record.clock, handoff)
+                stats["wire_bytes"] = stats["bytes"] if receiver.wire_bytes is None else receiver.wire_bytes
                 report.outputs.extend(outs)
             elif state == KVPoll.FAILED:
-                del self.receivers[rid]
-                self.clocks.pop(rid, None)
-                self._release(rid)
                 e = receiver.failure_exception()
-                report.failed[rid] = "transfer failed" if e is None else f"{type(e).__name__}: {e}"  # typed, named
+                self._fail_transfer(report, rid, "transfer failed" if e is None else f"{type(e).__name__}: {e}")
 
     def _accept_handoff(self, request_id: str, meta: dict | None) -> Handoff:
         """Parse a receiving request's hand-off and set what decode continues from: generated tokens' M-RoPE
@@ -238,11 +226,10 @@ class DecodeWorker:
             seq.mm.mrope_delta = handoff.mrope_delta
         return handoff
 
-    def _transfer_stats(self, request_id: str, handoff: Handoff) -> dict:
-        c = self.clocks.pop(request_id, None)
-        if c is None or c.first_s is None:
+    def _transfer_stats(self, c: TransferClock, handoff: Handoff) -> dict:
+        if c.first_s is None:
             return {"transport": self.manager.name, "bytes": 0, "layers": 0, "seconds": 0.0, "exposed_seconds": 0.0,
-                    "state_bytes": 0 if c is None else c.state_bytes, "state_frames": 0 if c is None else c.state_frames}
+                    "state_bytes": c.state_bytes, "state_frames": c.state_frames}
         done = c.last_s if handoff.compute_done_s is None else handoff.compute_done_s
         # "bytes" counts KV only; hybrid models' GDN state moves apart ("state_bytes", always raw)
         return {"transport": self.manager.name, "bytes": c.nbytes, "layers": c.layers,
@@ -261,7 +248,7 @@ class DecodeWorker:
         done = [o.request_id for o in report.outputs if o.finished]
         if self.tiers is not None and done:
             self.tiers.on_requests([], done)
-        return report
+        return self._close_report(report)
 
     def group_step(self, *, stop: bool = False) -> tuple[StepReport, TickPlan | None]:
         """One tick of the expert-parallel group (every rank calls it in a loop; see :mod:`decode_node.expert_group`):
@@ -274,7 +261,7 @@ class DecodeWorker:
             self.ep.note_hint(hist)
         if self.ep.broken:
             self._fail_all(report, self.ep.broken)
-            return report, None
+            return self._close_report(report), None
         running = len(self.engine.scheduler.running)
         try:
             plan = self.ep.begin_tick(has_work=self.engine.has_unfinished_requests(), stop=stop, running=running)
@@ -287,8 +274,22 @@ class DecodeWorker:
             logger.exception("expert-parallel tick failed")
             self.ep.broken = f"expert-parallel group broke: {e}"
             self._fail_all(report, self.ep.broken)
-            return report, None
-        return report, plan
+            return self._close_report(report), None
+        return self._close_report(report), plan
+
+    def fail_all(self, reason: str) -> StepReport:
+        """Abort every request (a step raised: fail the batch rather than the worker); their failure events."""
+        report = StepReport()
+        self._fail_all(report, reason)
+        return self._close_report(report)
+
+    def _close_report(self, report: StepReport) -> StepReport:
+        """End an iteration: the report's events, then forget the requests that finished (failed ones are gone)."""
+        report.events = step_events(report, self.requests)
+        for out in report.outputs:
+            if out.finished:
+                self._forget(out.request_id)
+        return report
 
     def _fail_unrecomputable(self, report: StepReport) -> None:
         """Fail the image prompts the engine dropped on preemption (see the module docstring)."""
@@ -299,6 +300,7 @@ class DecodeWorker:
             e = PromptRecomputeUnavailable(f"request {rid} was preempted on the decode worker, which holds no pixels "
                                            "to recompute its image prompt")
             logger.warning("%s", e)
+            self._forget(rid)
             report.failed[rid] = f"{type(e).__name__}: {e}"
         if dropped and self.tiers is not None:
             self.tiers.on_requests([], dropped)
@@ -312,4 +314,4 @@ class DecodeWorker:
                 report.failed[rid] = reason
 
     def has_work(self) -> bool:
-        return bool(self.receivers) or self.engine.has_unfinished_requests()
+        return self.receiving > 0 or self.engine.has_unfinished_requests()

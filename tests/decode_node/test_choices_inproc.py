@@ -24,6 +24,7 @@ def _disaggregated(model_dir, prompt, params) -> tuple[dict[int, list[int]], dic
     pw = PrefillWorker(model_dir, EngineConfig(**CFG))
     dw = DecodeWorker(model_dir, EngineConfig(**CFG), InprocManager())
     pw.submit("r", prompt, params, pm.sender(dw.allocate("r", prompt, params)))
+    events = []
     tokens: dict[int, list[int]] = {}
     logprobs: dict[int, list] = {}
     prompt_logprobs = None
@@ -34,6 +35,7 @@ def _disaggregated(model_dir, prompt, params) -> tuple[dict[int, list[int]], dic
         pw.step()
         report = dw.step()
         assert not report.failed
+        events.extend(report.events)
         for out in report.outputs:
             for c in out.outputs:
                 tokens[c.index], logprobs[c.index] = c.token_ids, c.logprobs
@@ -42,7 +44,22 @@ def _disaggregated(model_dir, prompt, params) -> tuple[dict[int, list[int]], dic
             finished = finished or out.finished
         if not pw.has_work() and dw.receivers:
             next(iter(dw.receivers.values())).wait(0.05)
+    _check_events(events, tokens, params)
     return tokens, logprobs, prompt_logprobs, pw, dw
+
+
+def _check_events(events, tokens: dict[int, list[int]], params: SamplingParams) -> None:
+    """Per choice the events carry its tokens once (logprobs alongside), its end once; only the last event of the
+    request says finished; prompt logprobs come on choice 0's first event."""
+    for index, want in tokens.items():
+        mine = [e for e in events if e.index == index]
+        assert [t for e in mine for t in e.token_ids] == want
+        assert [e.choice_finished for e in mine].count(True) == 1 and mine[-1].choice_finished
+        if params.logprobs is not None:
+            assert sum(len(e.logprobs) for e in mine) == len(want)
+    assert [e.finished for e in events] == [False] * (len(events) - 1) + [True]
+    with_prompt = [e for e in events if e.prompt_logprobs is not None]
+    assert with_prompt == ([] if params.prompt_logprobs is None else [next(e for e in events if e.index == 0)])
 
 
 @pytest.mark.parametrize("params", [

@@ -1,6 +1,8 @@
 """Prefill and decode workers wired in one process over the in-process transport (no Ray): the disaggregated path
 gives exactly the local engine's tokens, streamed per layer or sent whole, greedy and seeded sampling, and frees
-every block on both sides — also when a transfer fails or is aborted."""
+every block on both sides — also when a transfer fails or is aborted. Every step's typed events carry each token
+once, end each request with exactly one ``finished`` event (or one RequestFailed), and no request record outlives
+its request."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import pytest
 
 from decode_node.worker import DecodeWorker
 from engine import LLM, EngineConfig, SamplingParams
-from kv_transfer import KVPoll
+from kv_transfer import KVPoll, LeasePolicy
+from node_common.events import RequestFailed, TokenEvent, event_from_wire
 from kv_transfer.inproc.manager import Manager as InprocManager
 from prefill_node.worker import PrefillWorker
 from tests.conftest import LLM_DEFAULTS, greedy, make_image, make_request
@@ -23,7 +26,7 @@ def _pair(model_dir, stream_layers=True):
 
 
 def _run(pw, dw, pm, prompts, params, *, tamper=None):
-    tokens, failed = {}, {}
+    tokens, failed, events = {}, {}, []
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         lease = dw.allocate(f"r{i}", p, sp)
         sender = pm.sender(lease)
@@ -36,11 +39,28 @@ def _run(pw, dw, pm, prompts, params, *, tamper=None):
         pw.step()
         report = dw.step()
         failed.update(report.failed)
+        events.extend(event_from_wire(ev.to_wire()) for ev in report.events)
         for out in report.outputs:
             tokens[out.request_id] = out.outputs[0].token_ids
         if not pw.has_work() and dw.receivers:
             next(iter(dw.receivers.values())).wait(0.05)
+    _check_events(events, tokens, failed)
     return [tokens.get(f"r{i}") for i in range(len(prompts))], failed
+
+
+def _check_events(events, tokens: dict[str, list[int]], failed: dict[str, str]) -> None:
+    """What the front-end would read: each finished request's tokens once, in order, its last event (only) finished;
+    a failed request one RequestFailed with the report's reason and nothing after it."""
+    assert {e.request_id: e.reason for e in events if isinstance(e, RequestFailed)} == failed
+    for rid, want in tokens.items():
+        mine = [e for e in events if e.request_id == rid]
+        if rid in failed:
+            assert isinstance(mine[-1], RequestFailed)
+            continue
+        assert all(isinstance(e, TokenEvent) and e.index == 0 for e in mine)
+        assert [t for e in mine for t in e.token_ids] == want
+        assert [e.finished for e in mine] == [False] * (len(mine) - 1) + [True]
+        assert mine[-1].choice_finished and mine[-1].finish_reason is not None
 
 
 def _local(model_dir, prompts, params):
@@ -52,6 +72,7 @@ def _idle(pw, dw):
     for w in (pw, dw):
         w.engine.block_manager.check_no_leaks()
         assert not w.engine.requests
+    assert not dw.requests and dw.receiving == 0
 
 
 @pytest.mark.parametrize("stream_layers", [True, False], ids=["layerwise", "whole"])
@@ -76,10 +97,14 @@ def test_routing_hints_and_transfer_stats(tiny_model_dir):
         report = dw.step()
         hints = hints or report.routing_hints.get("r")
         stats = stats or report.transfers.get("r")
+        if "r" in report.transfers:  # the commit's event carries both to the front-end
+            first = next(e for e in report.events if e.request_id == "r")
+            assert first.expert_hist == report.routing_hints["r"] and first.kv_transfer == report.transfers["r"]
     cfg = dw.engine.model_config.text
     assert len(hints) == cfg.num_layers and all(sum(row) == len(prompt["prompt_token_ids"]) * cfg.top_k
                                                 for row in hints)
     assert stats["layers"] == cfg.num_layers and stats["bytes"] == lease.layout.transfer_nbytes(lease.num_blocks)
+    assert stats["wire_bytes"] > 0  # the inproc receiver counts what travelled (declared on KVReceiver)
     _idle(pw, dw)
 
 
@@ -110,8 +135,8 @@ def test_abort_on_either_side_frees_both(tiny_model_dir):
 def test_lease_deadline_scales_with_bytes_and_expiry_frees_blocks(tiny_model_dir):
     import time
 
-    dw = DecodeWorker(tiny_model_dir, EngineConfig(**CFG), InprocManager(), lease_base_s=0.2,
-                      lease_min_rate_bps=1e9)
+    dw = DecodeWorker(tiny_model_dir, EngineConfig(**CFG), InprocManager(),
+                      lease=LeasePolicy(base_s=0.2, min_rate_bps=1e9))
     prompt = make_request(9, seed=8)
     lease = dw.allocate("x", prompt, greedy(2))
     nbytes = lease.layout.transfer_nbytes(lease.num_blocks)
@@ -119,7 +144,9 @@ def test_lease_deadline_scales_with_bytes_and_expiry_frees_blocks(tiny_model_dir
     time.sleep(0.3)  # nobody sends
     report = dw.step()
     assert "x" in report.failed and "deadline" in report.failed["x"]
+    assert report.events == [RequestFailed("x", report.failed["x"])]
     dw.engine.block_manager.check_no_leaks()
+    assert not dw.requests
 
 
 def _count_calls(monkeypatch, obj, name: str) -> list[int]:
