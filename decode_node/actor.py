@@ -8,8 +8,8 @@ Methods take and return msgpack ``bytes`` (:mod:`node_common.messages`).
 
 Expert-parallel workers (``expert_parallel`` set) start their loop only once the group is formed: the cluster
 (:func:`cluster.control.expert_groups.form_group`) calls :meth:`DecodeActor.ep_host` on rank 0, then
-:meth:`DecodeActor.ep_join` on every rank at once. Their loop runs one group tick per iteration (:meth:`decode_node.worker.DecodeWorker.group_step`); a shutdown of any rank stops the whole
-group at the same tick.
+:meth:`DecodeActor.ep_join` on every rank at once. Their loop runs one group tick per iteration
+(:meth:`decode_node.worker.DecodeWorker.group_step`); a shutdown of any rank stops the whole group at the same tick.
 """
 
 from __future__ import annotations

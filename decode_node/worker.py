@@ -75,7 +75,8 @@ def _first_tokens(handoff: Handoff) -> dict:
     """:meth:`LLMEngine.commit_prefilled`'s ``first_logprobs`` and ``choices`` from the hand-off's wire forms."""
     lp = lambda w: None if w is None else TokenLogprobs.from_wire(w)  # noqa: E731
     prompt = handoff.prompt_logprobs
-    return {"first_logprobs": lp(handoff.first_logprobs), "prompt_logprobs": None if prompt is None else [lp(w) for w in prompt],
+    return {"first_logprobs": lp(handoff.first_logprobs),
+            "prompt_logprobs": None if prompt is None else [lp(w) for w in prompt],
             "choices": [(c["token"], lp(c.get("logprobs")), generator_from_state(c.get("generator_state")))
                         for c in handoff.choices]}
 
