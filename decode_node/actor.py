@@ -97,11 +97,13 @@ class DecodeActor(WorkerActorBase):
         return messages.pack(staged_version=self.worker.ep.shard.staged_version)
 
     def allocate(self, msg: bytes) -> bytes:
+        """``{request_id, prompt, params, start_by_s?}`` -> ``{lease, free_blocks}`` (``start_by_s``: the request's
+        deadline, wall time; the lease's clock then starts with the transfer: :mod:`kv_transfer.lease`)."""
         try:
             m = messages.unpack(msg)
             with self.lock:
                 lease = self.worker.allocate(m["request_id"], prompt_wire.prompt_from_wire(m["prompt"]),
-                                             messages.params_from_dict(m["params"]))
+                                             messages.params_from_dict(m["params"]), start_by_s=m.get("start_by_s"))
         except messages.REPLY_ERRORS as e:
             return messages.error_reply(e)
         self.wake.set()

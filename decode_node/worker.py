@@ -121,9 +121,12 @@ class DecodeWorker:
         """The receiving requests' receivers by request id (a view of ``requests``, for tests and tools)."""
         return {rid: r.receiver for rid, r in self.requests.items() if r.receiver is not None}
 
-    def allocate(self, request_id: str, prompt: Any, params: SamplingParams) -> Lease:
-        """Reserve blocks and issue a lease. Raises the engine's typed errors (OutOfBlocksError when full), and
-        GroupUnavailable once this worker's expert-parallel group is broken."""
+    def allocate(self, request_id: str, prompt: Any, params: SamplingParams, *, start_by_s: float | None = None
+                 ) -> Lease:
+        """Reserve blocks and issue a lease. ``start_by_s`` (wall time; the request's own deadline): the lease's
+        clock starts with the transfer, which may wait for its prefill until then (:mod:`kv_transfer.lease`); None:
+        it runs from now. Raises the engine's typed errors (OutOfBlocksError when full), and GroupUnavailable once
+        this worker's expert-parallel group is broken."""
         if self.ep is not None and self.ep.broken:
             raise GroupUnavailable(f"decode worker cannot decode: {self.ep.broken}")
         with self.recv_lock:
@@ -132,7 +135,7 @@ class DecodeWorker:
         nbytes += 0 if self.state_layout is None else self.state_layout.transfer_nbytes
         lease = Lease(request_id=request_id, num_blocks=len(blocks), layout=self.layout,
                       transport=self.manager.name, endpoint=self.manager.endpoint,
-                      deadline_s=self.lease_policy.deadline(nbytes), state=self.state_layout)
+                      state=self.state_layout, **self.lease_policy.queued(nbytes, start_by_s))
         clock = TransferClock()
         try:
             receiver = self.manager.expect(lease, self._sink(request_id, clock))

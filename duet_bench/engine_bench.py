@@ -12,6 +12,7 @@ every scenario and repeat, so no prompt ever hits the engine's prefix cache (the
 both sides greedy and forced to the exact output length (Duet ``ignore_eos``; transformers with no EOS); one warm-up
 each; one ``LLM`` (``max_num_seqs=64``) and one transformers model reused by every scenario; ``--repeat N`` keeps
 each side's best. The machine's bandwidth/matmul rates are measured in the same run (:mod:`duet_bench.machine`).
+The scenarios, workloads and Duet's side are in :mod:`duet_bench.engine_workload`.
 
 ``--peer-cmd CMD`` runs Duet against any peer engine instead of transformers, on these scenarios' prompts, in
 ``--rounds`` alternating rounds (:mod:`duet_bench.peer`: the command's contract and the workload file).
@@ -27,107 +28,34 @@ import datetime as dt
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from duet_bench.engine_workload import (
+    MAX_NUM_SEQS,
+    SCENARIOS,
+    ScenarioSpec,
+    Workload,
+    make_workload,
+    run_duet,
+    scenario_specs,
+    usable_token_ids,
+    warm_up_workloads,
+)
 from duet_bench.machine import decode_bound, measure_machine
 from duet_bench.peer import PEER_TIMEOUT_S
 from duet_bench.qwen_bench import image_sizes
 from cluster.report import log, machine_table, scenario_table, write_json
 
-SCENARIOS = ("uniform1", "uniform32", "mixed")
 MODELS = ("llava-moe", "qwen3-vl-moe", "qwen3.5-moe")
 BENCH_MODEL_NAME = "bench-llava-moe-v1"
-MAX_NUM_SEQS = 64
-
-
-@dataclass(frozen=True)
-class ScenarioSpec:
-    """One workload shape; length ranges are inclusive. ``hf_batch``: transformers' batch size."""
-
-    name: str
-    num_requests: int
-    prompt_len: tuple[int, int]
-    output_len: tuple[int, int]
-    hf_batch: int
-
-    @property
-    def label(self) -> str:
-        return "mixed" if self.name == "mixed" else f"uniform-{self.num_requests}"
-
-
-def scenario_specs(quick: bool) -> dict[str, ScenarioSpec]:
-    if quick:
-        return {"uniform1": ScenarioSpec("uniform1", 1, (16, 16), (4, 4), 1),
-                "uniform32": ScenarioSpec("uniform32", 2, (16, 16), (4, 4), 2),
-                "mixed": ScenarioSpec("mixed", 4, (8, 32), (2, 8), 2)}
-    return {"uniform1": ScenarioSpec("uniform1", 1, (128, 128), (64, 64), 1),
-            "uniform32": ScenarioSpec("uniform32", 32, (128, 128), (64, 64), 32),
-            "mixed": ScenarioSpec("mixed", 64, (16, 512), (8, 128), 32)}
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    max_tokens: list[int]
-
-    @property
-    def useful_tokens(self) -> int:
-        return sum(self.max_tokens)
-
-
-def usable_token_ids(model_dir: Path) -> np.ndarray:
-    """Text-vocabulary ids minus the image token and every special id (generation config, config, tokenizer)."""
-    raw = json.loads((model_dir / "config.json").read_text())
-    text = raw.get("text_config") or raw
-    special = {raw.get("image_token_index", raw.get("image_token_id"))}
-    gen_file = model_dir / "generation_config.json"
-    for src in (raw, text, json.loads(gen_file.read_text()) if gen_file.is_file() else {}):
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
-            v = src.get(key)
-            special.update(v if isinstance(v, list) else [v])
-    tok_file = model_dir / "tokenizer.json"
-    if tok_file.is_file():
-        special.update(t["id"] for t in json.loads(tok_file.read_text()).get("added_tokens", []) if t.get("special"))
-    ids = np.setdiff1d(np.arange(int(text["vocab_size"])), [s for s in special if s is not None])
-    assert len(ids) > 0, "no usable token ids"
-    return ids
-
-
-def make_workload(spec: ScenarioSpec, token_ids: np.ndarray, seed: int, variant: int = 0) -> Workload:
-    """Deterministic: lengths depend on (seed, scenario) only; token ids also on ``variant`` (the repeat index)."""
-    salt = SCENARIOS.index(spec.name)
-    lengths = np.random.default_rng([seed, salt])
-    plen = lengths.integers(spec.prompt_len[0], spec.prompt_len[1] + 1, spec.num_requests)
-    olen = lengths.integers(spec.output_len[0], spec.output_len[1] + 1, spec.num_requests)
-    ids = np.random.default_rng([seed, salt, variant + 1])
-    prompts = [token_ids[ids.integers(0, len(token_ids), int(n))].tolist() for n in plen]
-    return Workload(prompts, [int(n) for n in olen])
 
 
 # ------------------------------------------------------------------------------------------------------------ sides
-def run_duet(llm, w: Workload) -> tuple[dict, list[list[int]]]:
-    """Submit every request at once; wall time covers prefill and decode of all of them."""
-    from engine import SamplingParams
-
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w.max_tokens]
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in w.prompts], params)
-    wall = time.perf_counter() - t0
-    tokens = [o.outputs[0].token_ids for o in outs]
-    useful = sum(min(len(t), n) for t, n in zip(tokens, w.max_tokens, strict=True))
-    ttft = [o.metrics.ttft_s for o in outs if o.metrics.ttft_s is not None]
-    tpot = [x for x in (o.tpot_s() for o in outs) if x is not None]
-    return {"wall_s": wall, "useful_tokens": useful, "tokens_per_s": useful / wall,
-            "mean_ttft_s": float(np.mean(ttft)) if ttft else None,
-            "mean_tpot_s": float(np.mean(tpot)) if tpot else None,
-            "prefix_cache_hit_tokens": sum(o.num_cached_tokens for o in outs),
-            "preemptions": sum(o.metrics.num_preemptions for o in outs)}, tokens
-
-
+# Duet's side is :func:`duet_bench.engine_workload.run_duet`; transformers' is here.
 def load_hf(model_dir: Path, dtype: str, device: str):
     from transformers import LlavaForConditionalGeneration
 
@@ -219,10 +147,8 @@ def bench_model_dir() -> Path:
 
 
 def _warm_up(llm, hf, token_ids: np.ndarray) -> None:
-    """A single request and a padded pair on each side; prompts shorter than a KV block, so nothing is cached."""
-    single = Workload([token_ids[:8].tolist()], [2])
-    pair = Workload([token_ids[8:16].tolist(), token_ids[16:22].tolist()], [2, 3])
-    for w in (single, pair):
+    """:func:`warm_up_workloads` on each side."""
+    for w in warm_up_workloads(token_ids):
         run_duet(llm, w)
         run_hf(hf, w, 2)
 

@@ -193,11 +193,11 @@ def record_demo_trace(model_dir: Path, n: int, *, max_num_seqs: int = 4, max_tok
 
     from duet_bench.quality_bench import prompts_for
     from duet_testing.demo_tasks import make_dataset
-    from engine import LLM, SamplingParams
+    from engine import LLM, EngineHooks, SamplingParams
     from engine.moe import SparseMoe
 
     torch.manual_seed(0)
-    llm = LLM(model_dir, dtype="float32", max_num_seqs=max_num_seqs)
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=max_num_seqs, hooks=EngineHooks(track_routing=True))
     runner = llm.engine.runner
     moes = [layer.mlp for layer in llm.engine.model.text.layers if isinstance(layer.mlp, SparseMoe)]
     num_e = moes[0].num_experts
@@ -223,13 +223,11 @@ def record_demo_trace(model_dir: Path, n: int, *, max_num_seqs: int = 4, max_tok
         return out
 
     runner.execute = recording_execute
-    runner.track_routing = True
     try:
         llm.generate(prompts_for(llm.get_tokenizer(), make_dataset(seed, n)),
                      SamplingParams(temperature=0, max_tokens=max_tokens))
     finally:
         del runner.execute
-        runner.track_routing = False
     m = moes[0]
     nbytes = (m.gate_up_proj[0].numel() + m.down_proj[0].numel()) * m.gate_up_proj.element_size()
     return Trace(len(moes), num_e, m.top_k, steps, float(nbytes))

@@ -8,7 +8,7 @@ Contract, once per round::
 ``WORKLOAD.json`` is ``{"CASE": [[prompt_token_ids, output_tokens], ...], ...}`` with the cases ``uniform1``,
 ``uniform32``, ``mixed`` (those selected); the peer generates exactly ``output_tokens`` per request (greedy, EOS
 ignored) and reports useful output tokens / wall seconds per case -- the definition Duet's side uses
-(:func:`duet_bench.engine_bench.run_duet`). Round ``r`` runs fresh prompts (variant ``r``, so Duet's prefix cache
+(:func:`duet_bench.engine_workload.run_duet`). Round ``r`` runs fresh prompts (variant ``r``, so Duet's prefix cache
 never hits) on both systems, in alternating order (even rounds Duet first, odd rounds the peer first); the table
 quotes medians over rounds and the ratio of the medians. A peer that exits non-zero, prints no valid figures or runs
 past ``--peer-timeout`` raises :class:`PeerError` (its whole process group is killed: no hang).
@@ -29,6 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from cluster.report import fmt, format_table, log, write_json
+from duet_bench.engine_workload import (
+    MAX_NUM_SEQS,
+    Workload,
+    make_workload,
+    run_duet,
+    scenario_specs,
+    usable_token_ids,
+    warm_up_workloads,
+)
 
 PEER_TIMEOUT_S = 1800.0
 
@@ -38,7 +47,7 @@ class PeerError(RuntimeError):
 
 
 def workload_doc(workloads: Mapping[str, Any]) -> dict[str, list[list]]:
-    """The peer's workload file from :class:`~duet_bench.engine_bench.Workload` per case (``prompts``,
+    """The peer's workload file from :class:`~duet_bench.engine_workload.Workload` per case (``prompts``,
     ``max_tokens``)."""
     return {name: [[list(p), int(n)] for p, n in zip(w.prompts, w.max_tokens, strict=True)]
             for name, w in workloads.items()}
@@ -137,8 +146,6 @@ def run_side_by_side(args, model_dir: Path) -> int:
     it (``<json stem>_workloads/round<r>.json``, to rerun the peer by hand). transformers does not run here."""
     import torch
 
-    from duet_bench.engine_bench import (MAX_NUM_SEQS, Workload, make_workload, run_duet, scenario_specs,
-                                            usable_token_ids)
     from engine import LLM
 
     specs = {k: v for k, v in scenario_specs(args.quick).items() if k in args.scenarios}
@@ -146,9 +153,8 @@ def run_side_by_side(args, model_dir: Path) -> int:
     log(f"loading {model_dir} into Duet ({args.dtype}, {args.device})")
     llm = LLM(model_dir, dtype=args.dtype, device=args.device, max_num_seqs=MAX_NUM_SEQS)
     token_ids = usable_token_ids(model_dir)
-    for w in (Workload([token_ids[:8].tolist()], [2]), Workload([token_ids[8:16].tolist(), token_ids[16:22].tolist()],
-                                                                [2, 3])):
-        run_duet(llm, w)  # warm-up; shorter than a KV block, so nothing is cached
+    for w in warm_up_workloads(token_ids):
+        run_duet(llm, w)
     out_dir = Path(args.json).with_suffix("")
     wdir = out_dir.parent / f"{out_dir.name}_workloads"
     wdir.mkdir(parents=True, exist_ok=True)

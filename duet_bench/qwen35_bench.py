@@ -62,7 +62,7 @@ class Prompts:
     def __init__(self, model_dir: Path, seed: int) -> None:
         import json
 
-        from engine.qwen_image_processor import QwenVLImageProcessor
+        from engine.models.qwen3_vl.image_processor import QwenVLImageProcessor
 
         raw = json.loads((model_dir / "config.json").read_text())
         self.image_token_id = int(raw["image_token_id"])

@@ -33,6 +33,7 @@ import PIL.Image
 import torch
 
 from cluster.report import fmt, format_table, log, ms, write_json
+from duet_bench.engine_workload import usable_token_ids
 from duet_testing.qwen_checkpoints import QwenTinySpec
 
 QWEN_BENCH_MODEL_NAME = "bench-qwen3-vl-moe-v1"
@@ -74,8 +75,7 @@ class QwenPrompts:
     """Fresh one-image prompts of a Qwen3-VL checkpoint: random text ids (no special or image id), random pixels."""
 
     def __init__(self, model_dir: Path, seed: int) -> None:
-        from duet_bench.engine_bench import usable_token_ids
-        from engine.qwen_image_processor import QwenVLImageProcessor
+        from engine.models.qwen3_vl.image_processor import QwenVLImageProcessor
 
         raw = json.loads((model_dir / "config.json").read_text())
         self.image_token_id = int(raw["image_token_id"])

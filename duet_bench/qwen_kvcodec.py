@@ -7,10 +7,10 @@ so the visual-token count per request follows the image, 64 / 256 / 1024 at 256Â
 
 * bytes -- the prompts' KV as the prefill worker hands it to its sender (captured, all layers), encoded by the
   policy's codec: bytes per text and per visual token and the ratios against float32 / bfloat16 / the pool dtype
-  (:func:`duet_bench.kvcodec_bench.byte_summary`);
+  (:func:`duet_bench.kvcodec_measure.byte_summary`);
 * quality -- through an in-process prefill -> decode pair (:class:`~cluster.control.local_pair.LocalPair`, M-RoPE delta in
   the hand-off): greedy agreement with ``none`` over up to ``--tokens`` tokens and the mean next-token KL
-  (:func:`~duet_bench.kvcodec_bench.agreement`, :func:`~duet_bench.kvcodec_bench.mean_kl`).
+  (:func:`~duet_bench.kvcodec_measure.agreement`, :func:`~duet_bench.kvcodec_measure.mean_kl`).
 
 The checkpoint has random weights, so there is no task accuracy and no end-to-end Ray run here; the LLaVA mode of
 ``duet bench kv-codec`` measures those. Prints a table, writes ``--json``.
@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from duet_bench.kvcodec_bench import (
-    _policies,
+from duet_bench.kvcodec_measure import (
     agreement,
     byte_summary,
     capture_layers,
     codec_measure,
     mean_kl,
+    policies_from_args,
     quality_runs,
 )
 from duet_bench.qwen_bench import DEFAULT_IMAGE_SIZES, QwenPrompts, qwen_bench_model_dir
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from kv_transfer.compression import InvalidPolicy
 
     try:
-        policies = _policies(args)
+        policies = policies_from_args(args)
     except InvalidPolicy as e:
         print(f"duet: error: {e}", file=sys.stderr)
         return 2

@@ -121,9 +121,9 @@ async def _one_disagg(cluster, k: int, a: Arrival, t0: float, bar) -> dict:
     try:
         prepared = await asyncio.to_thread(cluster.prepare, a.prompt)
         async for d in cluster.stream(prepared, sampling_params(a), request_id=f"d{k}"):
-            if d.get("token_ids"):
+            if d.token_ids:
                 last = time.perf_counter()
-                first, n = first or last, n + len(d["token_ids"])
+                first, n = first or last, n + len(d.token_ids)
     except Exception as e:  # noqa: BLE001 -- a failed request is recorded, not fatal to the benchmark
         return {"kind": a.kind, "ttft_s": None, "tpot_s": None, "tokens": n, "done_s": None, "error": repr(e)}
     finally:

@@ -299,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     """Measure, print the table and the criteria, write the JSON. Starts (and then stops) Ray only if it is down."""
     import ray
 
-    from duet_bench.engine_bench import usable_token_ids
+    from duet_bench.engine_workload import usable_token_ids
     from engine.config import ModelConfig
     from engine.errors import InvalidRequestError
 

@@ -29,7 +29,7 @@ from duet_client.channel import (
     call_metadata,
     tls_options,
 )
-from duet_client.errors import DeadlineExceeded, Internal, from_rpc_error
+from duet_client.errors import DeadlineExceeded, Internal, Unavailable, from_rpc_error
 from duet_client.request import API_VERSION, build_request
 from duet_client.types import Completion, CompletionBuilder, Delta, message_to_dict
 
@@ -173,8 +173,6 @@ class Client:
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Block until the channel is connected (raises :class:`~duet_client.errors.Unavailable` on timeout)."""
-        from duet_client.errors import Unavailable
-
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:

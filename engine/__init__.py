@@ -3,13 +3,14 @@
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import (CheckpointError, DuetError, ImageDecodeError, ImageTokenMismatchError, InvalidRequestError,
                            PromptTooLongError, TokenOutOfVocabError, UnsupportedModelError)
+from engine.hooks import EngineHooks
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = [
-    "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "ModelConfig",
+    "LLM", "LLMEngine", "EngineHooks", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "ModelConfig",
     "DuetError", "CheckpointError", "UnsupportedModelError", "InvalidRequestError", "PromptTooLongError",
     "TokenOutOfVocabError", "ImageDecodeError", "ImageTokenMismatchError",
 ]

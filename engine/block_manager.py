@@ -38,7 +38,7 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, on_evict: Callable[[bytes], None] | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
         self.block_size = block_size
@@ -47,8 +47,8 @@ class BlockManager:
         self.unreferenced: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
         # called with the hash of each cached block evicted (reused for new KV): a prefix cache's owner may tell
-        # others what it no longer holds (the prefill worker tells the front-end's router)
-        self.on_evict: Callable[[bytes], None] | None = None
+        # others what it no longer holds (the prefill worker tells the front-end's router; engine.hooks.EngineHooks)
+        self.on_evict = on_evict
 
     @property
     def num_blocks(self) -> int:

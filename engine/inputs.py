@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import PIL.Image
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, model_family
 from engine.errors import (
-    CheckpointError,
     ImageTokenMismatchError,
     InvalidRequestError,
     PromptTooLongError,
@@ -33,8 +33,8 @@ from engine.errors import (
     UnsupportedInputError,
 )
 from engine.image_processor import ImageProcessor, image_content_hash, load_image
+from engine.models.qwen3_vl.image_processor import QwenVLImageProcessor
 from engine.mrope import rope_index
-from engine.qwen_image_processor import QwenVLImageProcessor
 from engine.sequence import MultiModalInput
 from engine.tokenizer import Tokenizer
 
@@ -59,19 +59,10 @@ class ProcessedPrompt:
 
 
 def image_processor_for(model_dir: str | os.PathLike, cfg: ModelConfig) -> ImageProcessor | QwenVLImageProcessor | None:
-    """The image processor of a checkpoint (None for a text-only model)."""
+    """The image processor of a checkpoint (None for a text-only model), as its model family makes it."""
     if cfg.vision is None:
         return None
-    if cfg.is_qwen_vl:
-        proc, v = QwenVLImageProcessor.from_pretrained(model_dir), cfg.vision
-        got = (proc.patch_size, proc.temporal_patch_size, proc.merge_size)
-        want = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
-        if got != want:
-            raise CheckpointError(f"preprocessor_config.json (patch, temporal patch, merge) {got} != the vision "
-                                  f"tower's {want}")
-        return proc
-    return ImageProcessor.from_pretrained(model_dir, default_image_size=cfg.vision.image_size,
-                                          vision_model_type=cfg.vision.model_type)
+    return model_family(cfg.model_type).image_processor(Path(model_dir), cfg)
 
 
 class InputProcessor:

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.hooks import EngineHooks
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -24,11 +25,13 @@ class LLM:
     def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "cpu", max_num_seqs: int = 64,
                  num_kv_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 4096,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
-                 **kwargs: Any) -> None:
+                 hooks: EngineHooks | None = None, **kwargs: Any) -> None:
+        """The keyword arguments are :class:`EngineConfig` fields except ``hooks``, the engine's
+        (:class:`engine.hooks.EngineHooks`), for callers that instrument it (benchmarks)."""
         cfg = EngineConfig(dtype=dtype, device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
                            block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
                            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed, **kwargs)
-        self.engine = LLMEngine(model, cfg)
+        self.engine = LLMEngine(model, cfg, hooks=hooks)
         self._counter = 0
 
     def get_tokenizer(self):

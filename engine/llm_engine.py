@@ -10,19 +10,19 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, parse_device
 from engine.cpu_tuning import tune_malloc
-from engine.decode_mirror import reserved_bytes
-from engine.errors import CheckpointError, InvalidRequestError, OutOfBlocksError
+from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.grammar import GrammarFactory
+from engine.hooks import EngineHooks
 from engine.inputs import InputProcessor, ProcessedPrompt, image_processor_for
+from engine.kv_budget import KVMemory, plan_pool
 from engine.model import LlavaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
@@ -43,29 +43,17 @@ from engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class KVMemory:
-    """Cache bytes held by one engine, per kind. ``budget_bytes``: ``kv_cache_memory_gb`` in bytes (None when
-    ``num_kv_blocks`` fixed the pool); the mirror's growth past its starting allocation can take ``total_bytes`` over
-    it. ``state_bytes``: hybrid models' GDN state slots (0 otherwise)."""
-
-    pool_bytes: int
-    mirror_bytes: int
-    budget_bytes: int | None
-    state_bytes: int = 0
-
-    @property
-    def total_bytes(self) -> int:
-        return self.pool_bytes + self.mirror_bytes + self.state_bytes
-
-
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, *,
+                 hooks: EngineHooks | None = None) -> None:
+        """``hooks``: what the owner plugs in (:class:`engine.hooks.EngineHooks`), handed to the runner and the block
+        manager here and fixed for the engine's life."""
         self.config = config = config or EngineConfig()
+        self.hooks = hooks = hooks or EngineHooks()
         self.model_dir = Path(model_dir)
         self.model_config = cfg = ModelConfig.from_pretrained(self.model_dir)
         self.dtype = config.torch_dtype(cfg)
-        self.device = _parse_device(config.device)
+        self.device = parse_device(config.device)
         if self.device.type == "cpu":
             tune_malloc()
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -81,67 +69,32 @@ class LLMEngine:
         if self.prefix_caching_off_reason and config.enable_prefix_caching:
             logger.info("prefix caching off: %s", self.prefix_caching_off_reason)
         self.num_state_slots = (config.max_num_state_slots or config.max_num_seqs) if cfg.text.is_hybrid else 0
-        max_len, num_blocks = self._size_pool()
-        self.max_model_len = max_len
+        pool = plan_pool(config, cfg.text, self.dtype, self.num_state_slots)
+        self.max_model_len = max_len = pool.max_model_len
+        self.kv_budget_bytes, num_blocks = pool.budget_bytes, pool.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching and not cfg.text.is_hybrid,
-                                          num_state_slots=self.num_state_slots)
+                                          num_state_slots=self.num_state_slots, on_evict=hooks.on_evict)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    policy=config.scheduling_policy, max_wait_s=config.scheduling_max_wait_s)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   max_model_len=max_len, max_num_seqs=config.max_num_seqs, dtype=self.dtype,
                                   device=self.device, vision_cache_size=config.vision_cache_size,
-                                  mirror_tokens=min(config.decode_mirror_tokens, max_len)
-                                  if config.decode_mirror_tokens else None, num_state_slots=self.num_state_slots)
+                                  mirror_tokens=pool.mirror_tokens, num_state_slots=self.num_state_slots,
+                                  track_routing=hooks.track_routing, query_window=hooks.query_window)
         self.inputs = InputProcessor(cfg, self.tokenizer, self.image_processor, max_len)
         self.requests: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
         self._generator = torch.Generator().manual_seed(config.seed)
-        # Prefill workers set this: called after each layer with sequences whose prompt KV for it is complete.
-        self.kv_exporter: Callable[[int, list[Sequence]], None] | None = None
         # The per-request logits-processor hook (structured outputs): called once per sequence (each choice) with its
         # params; what it returns edits that sequence's logits before every sample (engine.sampler.LogitsProcessor).
         # Default: structured outputs (engine.grammar: a grammar mask for params with structured_outputs).
         self.logits_processor_factory: Callable[[SamplingParams], LogitsProcessor | None] | None = GrammarFactory(
             self.tokenizer, cfg.text.vocab_size, self.eos_token_ids)
-        # n > 1: choice 0's first sample also draws the other choices' first tokens; True forks them into sequences
-        # sharing the prompt's blocks here; prefill workers set False and hand them to the decode side instead
-        # (Sequence.pending_choices)
-        self.fork_choices = True
         self.receiving: dict[str, Sequence] = {}
         # ids of requests dropped on preemption (no pixels here to recompute their prompt); the owner drains it
         self.cannot_recompute: list[str] = []
-
-    def _size_pool(self) -> tuple[int, int]:
-        """``(max_model_len, num_kv_blocks)``. With ``kv_cache_memory_gb`` (no ``num_kv_blocks``) the budget covers
-        everything attention reads: the decode mirror's starting allocation (:func:`engine.decode_mirror.reserved_bytes`,
-        all of it when ``decode_mirror_tokens`` reserves it) comes off first, the pool gets the rest, capped at
-        ``max_num_seqs`` full-length sequences and floored at one (a warning when that floor overruns the budget)."""
-        c, t = self.config, self.model_config.text
-        limit = t.max_position_embeddings if t.sliding_window is None else min(t.max_position_embeddings, t.sliding_window)
-        if c.max_model_len is not None and c.max_model_len > limit:
-            raise CheckpointError(f"max_model_len {c.max_model_len} exceeds the model's limit of {limit} positions")
-        max_len = c.max_model_len or min(limit, 4096)
-        per_token = t.kv_bytes_per_token(self.dtype)
-        state = self.num_state_slots * t.state_bytes_per_seq(self.dtype)
-        per_block = per_token * c.block_size
-        blocks_per_seq = -(-max_len // c.block_size)
-        self.kv_budget_bytes: int | None = None
-        if c.num_kv_blocks is not None:
-            num_blocks = c.num_kv_blocks
-        else:
-            self.kv_budget_bytes = budget = int(c.kv_cache_memory_gb * 2**30)
-            mirror_tokens = min(c.decode_mirror_tokens, max_len) if c.decode_mirror_tokens else None
-            mirror = reserved_bytes(c.max_num_seqs, per_token, mirror_tokens)
-            by_memory = max(0, budget - mirror - state) // per_block
-            num_blocks = max(blocks_per_seq, min(by_memory, blocks_per_seq * c.max_num_seqs))
-            if num_blocks * per_block + mirror + state > budget:
-                logger.warning("kv_cache_memory_gb=%g holds %d KV blocks after the decode mirror's %.1f MiB; "
-                               "allocating %d (one %d-token sequence): %.1f MiB over budget", c.kv_cache_memory_gb,
-                               by_memory, mirror / 2**20, num_blocks, max_len,
-                               (num_blocks * per_block + mirror + state - budget) / 2**20)
-        return min(max_len, num_blocks * c.block_size), num_blocks
 
     def kv_memory(self) -> KVMemory:
         """Cache bytes now: the paged pool, the decode mirror (which grows on demand) and GDN state slots."""
@@ -217,7 +170,7 @@ class LLMEngine:
         now = time.perf_counter()
         for s in sched.prefills + sched.decodes:
             s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
-        logits, sampling = self.runner.execute(sched, self.kv_exporter)
+        logits, sampling = self.runner.execute(sched, self.hooks.kv_exporter)
         for seq, start, chunk in self.runner.prompt_logits:
             self._note_prompt_logprobs(seq, start, chunk)
         seqs = [s.seq for s in sampling]
@@ -241,9 +194,9 @@ class LLMEngine:
             choices = [(t, lp, g) for t, lp, g in zip(res.tokens[j + 1:j + k], res.logprobs[j + 1:j + k],
                                                         seq.sample_generators(k)[1:], strict=True)]
             j += k
-            if choices and not self.fork_choices:
+            if choices and not self.hooks.fork_choices:  # the owner hands them to the side that forks them
                 seq.pending_choices = choices
-            forked = self._fork(seq, choices, row) if choices and self.fork_choices else []
+            forked = self._fork(seq, choices, row) if choices and self.hooks.fork_choices else []
             for q in [seq, *forked]:
                 if q.finish_reason is None:
                     self._check_stop(q, q.token_ids[-1])
@@ -441,13 +394,3 @@ class LLMEngine:
         self.runner.vision_cache.clear()
         return n
 
-
-def _parse_device(name: str) -> torch.device:
-    """``torch.device(name)`` for the device types the engine runs on; anything else is a typed, one-line error."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:  # torch's message lists every device type it knows
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise InvalidRequestError(f"unsupported device {name!r} (use 'cpu' or 'cuda[:N]')")
-    return device

@@ -13,11 +13,14 @@ Layouts accepted (prefixes are normalised, then tensors fused into the runtime's
   what transformers 5 saves and the released checkpoints hold) or fused as in memory (``[E, 2I, H]`` / ``[E, H, I]``);
   the shared expert's gate/up are fused like a dense MLP's; GDN tensors (``linear_attn.*``) keep their names;
   multi-token-prediction heads (``mtp.*``) are ignored;
-* Qwen3-VL(-MoE): ``model.language_model.*``, ``model.visual.*`` (kept under ``vision.`` with transformers' own
-  sub-module names), ``lm_head.*``; fused experts ``experts.gate_up_proj`` / ``experts.down_proj`` either as
-  transformers 5 saves them (``[E, 2I, H]`` / ``[E, H, I]``) or as the released checkpoints store them, transposed
-  (``[E, H, 2I]`` / ``[E, I, H]``): the shape tells, and where it cannot (``2I == H``) the checkpoint's
-  ``transformers_version`` does (``ModelConfig.expert_layout_hint``).
+* Qwen3-VL(-MoE): ``model.language_model.*``, ``model.visual.*``, ``lm_head.*``; fused experts
+  ``experts.gate_up_proj`` / ``experts.down_proj`` either as transformers 5 saves them (``[E, 2I, H]`` /
+  ``[E, H, I]``) or as the released checkpoints store them, transposed (``[E, H, 2I]`` / ``[E, I, H]``): the shape
+  tells, and where it cannot (``2I == H``) the checkpoint's ``transformers_version`` does
+  (``ModelConfig.expert_layout_hint``).
+
+Prefixes are normalised here (text tensors to ``text.*``, tower and projector tensors to ``vision.*``); the names
+inside a vision tower are its family's (:meth:`engine.config.ModelFamily.vision_checkpoint_key`).
 
 The runtime fuses q/k/v into one projection and gate/up into one, so the loader concatenates them here.
 """
@@ -32,15 +35,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from engine.config import ModelConfig, ModelFamily
 from engine.errors import CheckpointError
-from engine.vision import VisionEncoder
 
 _PREFIXES = (
     ("model.language_model.", "text."), ("language_model.model.", "text."), ("language_model.lm_head.", "text.lm_head."),
-    ("lm_head.", "text.lm_head."), ("model.vision_tower.", "vision."), ("vision_tower.", "vision."),
-    ("model.multi_modal_projector.", "vision."), ("multi_modal_projector.", "vision."), ("model.", "text."),
+    ("lm_head.", "text.lm_head."), ("model.visual.", "vision."), ("model.vision_tower.", "vision."),
+    ("vision_tower.", "vision."), ("model.multi_modal_projector.", "vision."), ("multi_modal_projector.", "vision."),
+    ("model.", "text."),
 )
-_IGNORED = re.compile(r"^vision\.(head\.|post_layernorm\.)|position_ids$|rotary_emb\.inv_freq$")
+_IGNORED = re.compile(r"position_ids$|rotary_emb\.inv_freq$")
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -62,10 +66,11 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def canonical_name(key: str) -> str | None:
-    """Map a checkpoint key to ``text.*`` / ``vision.*`` runtime-side names (before fusion); None = ignore."""
-    if key.startswith("model.visual."):  # Qwen3-VL tower: the runtime keeps transformers' names
-        return "vision." + key[len("model.visual."):]
+def canonical_name(key: str, family: ModelFamily | None = None) -> str | None:
+    """Map a checkpoint key to ``text.*`` / ``vision.*`` runtime-side names (before fusion); None = ignore.
+
+    ``family`` (the checkpoint's) names its vision tower's tensors; without it they keep their stored names (enough
+    for text tensors, which every family names alike)."""
     for prefix, repl in _PREFIXES:
         if key.startswith(prefix):
             key = repl + key[len(prefix):]
@@ -73,25 +78,22 @@ def canonical_name(key: str) -> str | None:
     else:
         return None
     if key.startswith("vision."):
-        for old, new in (("vision_model.", ""), ("embeddings.", ""), ("encoder.layers.", "layers."), ("self_attn.", ""),
-                         ("mlp.", "")):
-            key = key.replace(old, new)
-        key = key.replace("position_embedding.weight", "position_embedding")
-    else:
-        key = key.replace("block_sparse_moe.", "mlp.")
-        key = re.sub(r"experts\.(\d+)\.(w[123])\.", lambda m: f"experts.{m[1]}.{_MIXTRAL_EXPERT[m[2]]}.", key)
-        key = re.sub(r"(q_norm|k_norm|input_layernorm|post_attention_layernorm)\.weight$", r"\1", key)
-        key = "text.norm" if key == "text.norm.weight" else key
+        inner = key[len("vision."):] if family is None else family.vision_checkpoint_key(key[len("vision."):])
+        return None if inner is None else "vision." + inner
+    key = key.replace("block_sparse_moe.", "mlp.")
+    key = re.sub(r"experts\.(\d+)\.(w[123])\.", lambda m: f"experts.{m[1]}.{_MIXTRAL_EXPERT[m[2]]}.", key)
+    key = re.sub(r"(q_norm|k_norm|input_layernorm|post_attention_layernorm)\.weight$", r"\1", key)
+    key = "text.norm" if key == "text.norm.weight" else key
     return None if _IGNORED.search(key) else key
 
 
-def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+def read_tensors(model_dir: Path, family: ModelFamily | None = None) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in weight_files(model_dir):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
-                    name = canonical_name(key)
+                    name = canonical_name(key, family)
                     if name is not None:
                         tensors[name] = f.get_tensor(key)
         except (SafetensorError, OSError) as e:
@@ -128,31 +130,25 @@ def fuse(t: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor
     return t
 
 
-def load_weights(model: nn.Module, model_dir: Path, num_experts: int, dtype: torch.dtype,
-                 expert_layout_hint: str = "hf") -> None:
-    """Fill ``model`` (a :class:`engine.model.LlavaModel`) from ``model_dir``; raise CheckpointError on any mismatch."""
-    tensors = fuse(read_tensors(model_dir), num_experts)
+def load_weights(model: nn.Module, model_dir: Path, cfg: ModelConfig, family: ModelFamily,
+                 dtype: torch.dtype) -> None:
+    """Fill ``model`` (a :class:`engine.model.LlavaModel` of ``cfg``, built by ``family``) from ``model_dir``; raise
+    CheckpointError on any mismatch."""
+    tensors = fuse(read_tensors(model_dir, family), cfg.text.num_experts)
     if "text.lm_head.weight" not in tensors and "text.embed_tokens.weight" in tensors:
         tensors["text.lm_head.weight"] = tensors["text.embed_tokens.weight"]
     expected = model.state_dict()
-    vision = model.vision
-    vision_layers = len(vision.layers) if isinstance(vision, VisionEncoder) else 0
     missing = [k for k in expected if k not in tensors]
     if missing:
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
     for name, param in expected.items():
-        src = _expert_layout(name, tensors[name], param.shape, expert_layout_hint)
+        src = _expert_layout(name, tensors[name], param.shape, cfg.expert_layout_hint)
         if src.shape != param.shape:
             raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(src.shape)} != expected {tuple(param.shape)}")
         param.copy_(src.to(dtype))
-    unexpected = [k for k in tensors if k not in expected and not _unused_vision_layer(k, vision_layers)]
+    unexpected = [k for k in tensors if k not in expected and not family.unused_checkpoint_tensor(k, cfg)]
     if unexpected:
         raise CheckpointError(f"checkpoint {model_dir} has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
-
-
-def _unused_vision_layer(key: str, kept: int) -> bool:
-    m = re.match(r"vision\.layers\.(\d+)\.", key)
-    return m is not None and int(m[1]) >= kept
 
 
 def _expert_layout(name: str, src: torch.Tensor, want: torch.Size, hint: str) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The served model: optional vision encoder (+ projector), and the text decoder over the paged KV pool.
 
-One class for every family: a LLaVA tower (fixed-size images, :mod:`engine.vision`) or a Qwen3-VL tower
-(native-resolution images, DeepStack features, :mod:`engine.qwen_vision`)."""
+One class for every family: the checkpoint's model family (:func:`engine.config.model_family`) builds its vision
+tower (a LLaVA tower, fixed-size images, :mod:`engine.models.llava.vision`; or a Qwen3-VL tower, native-resolution
+images and DeepStack features, :mod:`engine.models.qwen3_vl.vision`) and the family of its text config builds the
+decoder (:class:`engine.text_model.TextModel`, or Qwen3.5's hybrid)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,12 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, LayerKV
-from engine.config import ModelConfig
+from engine.config import ModelConfig, model_family
 from engine.loader import load_weights
-from engine.qwen35_model import HybridTextModel
+from engine.models.llava.vision import VisionEncoder
+from engine.models.qwen3_vl.vision import QwenVisionTower
 from engine.state_cache import LayerState
-from engine.qwen_vision import QwenVisionTower
 from engine.text_model import TextModel
-from engine.vision import VisionEncoder
 
 # (flat token indices [M], features [M, H], DeepStack features [levels, M, H] or None)
 MultiModalRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -29,8 +30,8 @@ class LlavaModel(nn.Module):
         self.cfg = cfg
         self.vision: nn.Module | None = None
         if cfg.vision is not None:
-            self.vision = QwenVisionTower(cfg.vision) if cfg.is_qwen_vl else VisionEncoder(cfg)
-        self.text = HybridTextModel(cfg.text) if cfg.text.is_hybrid else TextModel(cfg.text)
+            self.vision = model_family(cfg.model_type).build_vision(cfg)
+        self.text: TextModel = model_family(cfg.text.model_type, text=True).build_text(cfg.text)
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> LlavaModel:
@@ -40,7 +41,7 @@ class LlavaModel(nn.Module):
         for buf in model.buffers():  # buffers are not in the checkpoint
             buf.zero_()
         with torch.no_grad():
-            load_weights(model, Path(model_dir), cfg.text.num_experts, dtype, cfg.expert_layout_hint)
+            load_weights(model, Path(model_dir), cfg, model_family(cfg.model_type), dtype)
             model.text.finalize()
         return model.eval().requires_grad_(False)
 

@@ -34,7 +34,9 @@ from engine.state_cache import LayerState, StateCache, StateStep
 class ModelRunner:
     def __init__(self, model: LlavaModel, *, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  dtype: torch.dtype, device: torch.device, vision_cache_size: int = 64,
-                 mirror_tokens: int | None = None, num_state_slots: int = 0) -> None:
+                 mirror_tokens: int | None = None, num_state_slots: int = 0, track_routing: bool = False,
+                 query_window: int = 0) -> None:
+        """``track_routing``, ``query_window``: the owner's :class:`engine.hooks.EngineHooks` switches, fixed here."""
         t = model.cfg.text
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
         shape = (num_blocks, block_size, t.num_kv_heads, t.head_dim)
@@ -53,11 +55,13 @@ class ModelRunner:
         self.mrope = t.mrope_section is not None
         self.vision_cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.vision_cache_size = vision_cache_size
-        self.query_window = 0  # > 0: keep the last queries of completing prompts per layer (KV importance scores)
+        self.query_window = query_window  # > 0: keep the last queries of completing prompts per layer (KV importance)
         self.captured_queries: dict[int, torch.Tensor] = {}  # seq_id -> this layer's window, during a step
         # after execute: (sequence, first prompt position, float32 logits [chunk, vocab]) of the prompt chunks whose
         # sequences asked for prompt logprobs
         self.prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
+        for m in self._moe_layers():  # none in a dense model: tracking is then off whatever was asked
+            m.record_routing = track_routing
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -305,12 +309,8 @@ class ModelRunner:
 
     @property
     def track_routing(self) -> bool:
+        """Whether steps add up each sequence's expert choices (``Sequence.expert_hist``)."""
         return any(m.record_routing for m in self._moe_layers())
-
-    @track_routing.setter
-    def track_routing(self, enabled: bool) -> None:
-        for m in self._moe_layers():
-            m.record_routing = enabled
 
     def _moe_layers(self) -> list[SparseMoe]:
         return [layer.mlp for layer in self.model.text.layers if isinstance(layer.mlp, SparseMoe)]

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import TextConfig
 from engine.layers import ACTIVATIONS
+from engine.text_config import TextConfig
 
 
 class SparseMoe(nn.Module):
@@ -28,7 +28,7 @@ class SparseMoe(nn.Module):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts, self.top_k = e, cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.weights_in_model_dtype = cfg.model_type in ("qwen3_moe", "qwen3_vl_moe_text")
+        self.weights_in_model_dtype = cfg.router_weights_in_model_dtype
         self.gate = nn.Linear(h, e, bias=False)
         # Output-major, as transformers stores them: [E, 2I, H] (gate rows, then up rows) and [E, H, I]. Grouped GEMM
         # takes transposed views; measured faster than input-major copies for both decode (few rows per expert)

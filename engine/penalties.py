@@ -11,11 +11,25 @@ tokens appended since the previous step: O(new tokens) Python per sequence per s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from engine.sequence import Sequence
+from engine.sampling_params import SamplingParams
+
+
+class Penalized(Protocol):
+    """What the penalties read of a sequence (:class:`engine.sequence.Sequence`) and keep on it (``penalty``)."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    penalty: PenaltyState | None
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
 
 
 @dataclass
@@ -25,13 +39,13 @@ class PenaltyState:
     counted: int = 0  # output tokens folded into counts
 
     @classmethod
-    def for_sequence(cls, seq: Sequence, vocab: int, device: torch.device) -> PenaltyState:
+    def for_sequence(cls, seq: Penalized, vocab: int, device: torch.device) -> PenaltyState:
         seen = torch.zeros(vocab, dtype=torch.bool, device=device)
         prompt = torch.tensor(seq.token_ids[: seq.num_prompt_tokens], dtype=torch.long, device=device)
         seen[prompt.clamp_(0, vocab - 1)] = True
         return cls(torch.zeros(vocab, dtype=torch.float32, device=device), seen)
 
-    def update(self, seq: Sequence) -> None:
+    def update(self, seq: Penalized) -> None:
         new = seq.output_token_ids[self.counted:]
         if new:
             ids = torch.tensor(new, dtype=torch.long, device=self.counts.device)
@@ -40,7 +54,7 @@ class PenaltyState:
             self.counted += len(new)
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def apply_penalties(logits: torch.Tensor, seqs: Sequence[Penalized]) -> None:
     """In place on ``logits`` ``[S, V]`` (row r is ``seqs[r]``'s): the penalties of the rows whose params set any."""
     rows = [r for r, q in enumerate(seqs) if q.params.has_penalties]
     if not rows:

@@ -11,16 +11,14 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from engine.outputs import RequestMetrics, TokenLogprobs
+from engine.penalties import PenaltyState
 from engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.penalties import PenaltyState
 
 
 class SequenceStatus(IntEnum):
@@ -129,7 +127,7 @@ class Sequence:
     choice: int = 0
     group: list[Sequence] = field(default_factory=list, compare=False, repr=False)
     choice_generators: list[torch.Generator | None] | None = None
-    # a prefill worker's n > 1 request (LLMEngine.fork_choices False): choices 1..n-1's first (token, logprobs,
+    # a prefill worker's n > 1 request (EngineHooks.fork_choices False): choices 1..n-1's first (token, logprobs,
     # generator), for the hand-off
     pending_choices: list[tuple[int, TokenLogprobs | None, torch.Generator | None]] | None = None
     _block_hashes: list[bytes] = field(default_factory=list)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.qwen35_config import GdnConfig
+from engine.models.qwen3_5.config import GdnConfig
 
 
 class StateSlots:

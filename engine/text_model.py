@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, LayerKV, paged_attention
-from engine.config import TextConfig
 from engine.layers import apply_rotary, rms_norm
 from engine.moe import DenseMlp, SparseMoe
+from engine.text_config import TextConfig
 
 
 

@@ -7,7 +7,8 @@ Who calls what:
 * The PREFILL side calls ``manager.sender(lease)`` once per request, ``send_layer`` once per layer as each layer's KV
   is ready (any order), then ``finish(meta)`` once. It learns the outcome by ``poll()`` / ``wait()``.
 * Either side may ``abort(reason)`` at any time; the other side ends FAILED with :class:`TransferAborted` promptly.
-* Every transfer ends FAILED with :class:`TransferTimeout` at the latest when ``lease.deadline_s`` passes.
+* Every transfer ends FAILED with :class:`TransferTimeout` at the latest when its lease runs out (``lease.deadline_s``,
+  or ``transfer_s`` after it started for a lease with ``start_by_s``: :mod:`kv_transfer.lease`).
 
 The values the contract speaks of live below it, so that codecs and frames need not import the contract: the typed
 error tree (:mod:`kv_transfer.errors`), the layouts (:mod:`kv_transfer.layout`) and the versioned lease with its

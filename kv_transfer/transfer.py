@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 TERMINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
+START_CHECK_S = 1.0  # how often the deadline watch looks at a start-counted transfer that has not started
 
 
 class Transfer:
@@ -51,6 +52,7 @@ class Transfer:
         self.lease, self.auth = lease, auth
         self._state = initial
         self._error: TransferError | None = None
+        self._started_at: float | None = None  # wall time the first layer / state frame moved
         self._cond = threading.Condition()
 
     @property
@@ -59,10 +61,24 @@ class Transfer:
 
     @property
     def deadline_s(self) -> float:
-        return self.lease.deadline_s
+        """When this transfer fails with :class:`TransferTimeout` (:meth:`Lease.due_s`: it moves once the transfer
+        starts, for a lease with ``start_by_s``)."""
+        return self.lease.due_s(self._started_at)
+
+    @property
+    def next_check_s(self) -> float:
+        """When the deadline watch should look at this transfer next: its deadline, or, while a start-counted
+        lease has not started, within ``START_CHECK_S`` (its deadline moves when it starts)."""
+        if self.lease.start_by_s is not None and self._started_at is None:
+            return min(self.deadline_s, time.time() + START_CHECK_S)
+        return self.deadline_s
+
+    @property
+    def terminal(self) -> bool:
+        return self._state in TERMINAL
 
     def poll(self) -> KVPoll:
-        if self._state not in TERMINAL and time.time() >= self.lease.deadline_s:
+        if self._state not in TERMINAL and time.time() >= self.deadline_s:
             self._fail(TransferTimeout(f"request {self.request_id!r}: lease deadline passed while "
                                        f"{self._state.name}"), notify_peer=True)
         return self._state
@@ -71,7 +87,7 @@ class Transfer:
         end = time.monotonic() + max(0.0, timeout_s)
         with self._cond:
             while self._state not in TERMINAL:
-                left = min(end - time.monotonic(), self.lease.deadline_s - time.time())
+                left = min(end - time.monotonic(), self.deadline_s - time.time())
                 if left <= 0:
                     break
                 self._cond.wait(left)
@@ -98,6 +114,8 @@ class Transfer:
             if self._state in TERMINAL or state <= self._state:
                 return False
             self._state = state
+            if state is KVPoll.TRANSFERRING:
+                self._started_at = time.time()
             self._cond.notify_all()
         if state is KVPoll.SUCCESS:
             self._on_terminal(None, False)

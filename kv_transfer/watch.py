@@ -16,14 +16,19 @@ from typing import Protocol
 
 class Expirable(Protocol):
     @property
-    def deadline_s(self) -> float: ...
+    def next_check_s(self) -> float: ...
+
+    @property
+    def terminal(self) -> bool: ...
 
     def poll(self) -> object: ...
 
 
 class DeadlineWatch:
-    """``add(transfer)``: at ``transfer.deadline_s`` (wall clock) the watch calls ``transfer.poll()``, which fails it
-    with TransferTimeout unless it is already terminal. Holds only weak references. ``close()`` stops the thread."""
+    """``add(transfer)``: at ``transfer.next_check_s`` (wall clock; its deadline, or sooner while its deadline may
+    still move) the watch calls ``transfer.poll()``, which fails it with TransferTimeout once its deadline passed;
+    a transfer neither terminal nor expired is looked at again at its next check. Holds only weak references.
+    ``close()`` stops the thread."""
 
     def __init__(self, name: str = "kv-deadline") -> None:
         self._heap: list[tuple[float, int, weakref.ref]] = []
@@ -35,7 +40,7 @@ class DeadlineWatch:
 
     def add(self, transfer: Expirable) -> None:
         with self._cond:
-            heapq.heappush(self._heap, (transfer.deadline_s, next(self._seq), weakref.ref(transfer)))
+            heapq.heappush(self._heap, (transfer.next_check_s, next(self._seq), weakref.ref(transfer)))
             self._cond.notify()
 
     def close(self) -> None:
@@ -61,3 +66,5 @@ class DeadlineWatch:
                 transfer = ref()
                 if transfer is not None:
                     transfer.poll()
+                    if not transfer.terminal:  # a start-counted lease: its deadline moved when it started
+                        self.add(transfer)

@@ -100,7 +100,7 @@ class PrefillActor(WorkerActorBase):
                         self.worker.step()
                     except Exception:  # never let one bad step kill the worker; fail what was in flight
                         logger.exception("prefill step failed")
-                        for rid in list(self.worker.senders):
+                        for rid in list(self.worker.requests):
                             self.worker.abort(rid, "prefill step failed")
             if not busy:
                 self.wake.wait(0.05)

@@ -25,7 +25,7 @@ class PrefixFeed:
             self._note(h, True)
 
     def evicted(self, h: bytes) -> None:
-        """The engine's :attr:`~engine.block_manager.BlockManager.on_evict` hook."""
+        """The engine's ``on_evict`` hook (:class:`engine.hooks.EngineHooks`)."""
         self._note(h, False)
 
     def take(self) -> dict:

@@ -4,10 +4,17 @@ layer, to the decode worker that holds its lease.
 Queues a request moves through: ``submit`` -> engine waiting (admission) -> engine running (prefill chunks; after the
 final chunk's layer i, layer i's blocks are gathered and handed to the request's :class:`KVSender`) -> first token
 sampled -> ``finish`` frame (the :class:`~kv_transfer.handoff.Handoff`: first token and its logprobs, an ``n > 1``
-request's other choices' first tokens, M-RoPE delta, routing hints, sampler state) -> blocks freed. The worker never decodes past the first token. Transfers overlap compute:
-``send_layer`` only enqueues.
+request's other choices' first tokens, M-RoPE delta, routing hints, sampler state) -> blocks freed. The worker never
+decodes past the first token. Transfers overlap compute: ``send_layer`` only enqueues.
 
-Not thread-safe by itself: the actor wrapper serialises calls (``submit``/``abort`` and ``step`` under one lock).
+Per request the worker keeps one :class:`~prefill_node.request_state.PrefillRequest` in :attr:`PrefillWorker.requests`
+(sender, sequence, held sends, compute time, visual mask), added by ``submit`` and dropped when its ``finish`` frame
+goes or it is aborted. The engine is configured once, at construction, by its :class:`~engine.hooks.EngineHooks`:
+the KV exporter (:meth:`PrefillWorker._export`), no forking of ``n > 1`` choices (decode forks them), routing
+hints (MoE models), query capture when the compression policy scores KV, and the prefix feed's eviction hook.
+
+Not thread-safe by itself: the actor wrapper serialises calls (``submit``/``abort`` and ``step`` under one lock), and
+the engine calls the hooks on the thread running ``step``.
 """
 
 from __future__ import annotations
@@ -17,12 +24,11 @@ import functools
 import logging
 import time
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, EngineHooks, LLMEngine, SamplingParams
 from engine.kv_importance import kv_importance
 from engine.sequence import Sequence
 from kv_transfer import KVPoll, KVSender
@@ -35,6 +41,7 @@ from kv_transfer.compression import (
 )
 from kv_transfer.handoff import Handoff, generator_to_state
 from prefill_node.prefix_feed import PrefixFeed
+from prefill_node.request_state import PrefillRequest
 
 logger = logging.getLogger(__name__)
 
@@ -45,26 +52,21 @@ QUERY_WINDOW = 32  # the prompt's last queries that score KV channels and tokens
 class PrefillWorker:
     def __init__(self, model_dir: str | Path, config: EngineConfig, *, stream_layers: bool = True,
                  compression: str | dict | CompressionPolicy | None = None) -> None:
-        self.engine = LLMEngine(model_dir, config)
-        self.engine.runner.track_routing = self.engine.model_config.text.is_moe
-        self.engine.kv_exporter = self._export
-        self.engine.fork_choices = False  # n > 1: the choices' first tokens go in the hand-off, decode forks them
         self.stream_layers = stream_layers
         self.compression = resolve_policy(compression)
         self.codec = codec_for(self.compression)  # the senders' codec (identity without a policy)
         self._score = self.compression is not None and needs_scores(self.compression)
-        if self._score:
-            self.engine.runner.query_window = QUERY_WINDOW
-        self.senders: dict[str, KVSender] = {}
-        self._held: dict[str, list[Callable[[], None]]] = {}  # KV / state sends held until the step ends
-        self._seqs: dict[str, Sequence] = {}
-        self._compute_done: dict[str, float] = {}  # wall time the last layer's KV was computed
-        self._visual: dict[str, torch.Tensor] = {}  # request id -> prompt positions that are image tokens (codec)
+        self.requests: dict[str, PrefillRequest] = {}  # request id -> its record, from submit to finish / abort
         self.faults = Faults()
         # prefix-cache feed for the front-end's router (cluster.control.router.PrefixIndex): block hashes this worker
         # registered and evicted since the last submit reply
         self.prefix_feed = PrefixFeed()
-        self.engine.block_manager.on_evict = self.prefix_feed.evicted
+        self.engine = LLMEngine(model_dir, config, hooks=EngineHooks(
+            kv_exporter=self._export,
+            fork_choices=False,  # n > 1: the choices' first tokens go in the hand-off, decode forks them
+            track_routing=True,  # routing hints for the decode side's experts; a dense model has none to track
+            query_window=QUERY_WINDOW if self._score else 0,
+            on_evict=self.prefix_feed.evicted))
         self.prompt_tokens = 0  # prompts finished here, and their tokens found in the prefix cache (hit rate)
         self.cached_tokens = 0
 
@@ -78,17 +80,12 @@ class PrefillWorker:
         if self.faults.corrupt_next > 0:
             self.faults.corrupt_next -= 1
             sender.tamper = _flip_first_byte
-        self.senders[request_id] = sender
-        self._seqs[request_id] = self.engine.requests[request_id]
+        self.requests[request_id] = PrefillRequest(sender, self.engine.requests[request_id])
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
-        sender = self.senders.pop(request_id, None)
-        self._held.pop(request_id, None)
-        self._compute_done.pop(request_id, None)
-        self._visual.pop(request_id, None)
-        if sender is not None:
-            sender.abort(reason)
-        self._seqs.pop(request_id, None)
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            req.sender.abort(reason)
         return self.engine.abort_request(request_id)
 
     def has_work(self) -> bool:
@@ -97,24 +94,22 @@ class PrefillWorker:
     # --------------------------------------------------------------------------------------------------------- step
     def step(self) -> list[str]:
         """One engine step; returns the ids of requests whose prefill finished (their ``finish`` frame is sent)."""
-        for rid, sender in list(self.senders.items()):
-            if sender.poll() == KVPoll.FAILED:  # the decode side went away: stop spending compute on it
-                logger.warning("transfer for %s failed (%s); dropping its prefill", rid, sender.failure_exception())
+        for rid, req in list(self.requests.items()):
+            if req.sender.poll() == KVPoll.FAILED:  # the decode side went away: stop spending compute on it
+                logger.warning("transfer for %s failed (%s); dropping its prefill", rid,
+                               req.sender.failure_exception())
                 self.abort(rid, "transfer failed")
         done = []
         for out in self.engine.step():
             rid = out.request_id
-            seq = self._seqs.pop(rid, None)
-            sender = self.senders.pop(rid, None)
-            if sender is None:
+            req = self.requests.pop(rid, None)
+            if req is None:
                 continue
-            for send in self._held.pop(rid, []):
+            for send in req.held:
                 send()
-            handoff = self._handoff(out.outputs[0].token_ids[0], seq, self._compute_done.pop(rid, time.time()))
-            self._visual.pop(rid, None)
-            sender.finish(handoff.to_meta())
-            if seq is not None:
-                self._note_prefix(seq)
+            computed = time.time() if req.compute_done_s is None else req.compute_done_s
+            req.sender.finish(self._handoff(out.outputs[0].token_ids[0], req.seq, computed).to_meta())
+            self._note_prefix(req.seq)
             if not out.finished:
                 self.engine.abort_request(rid)
             done.append(rid)
@@ -139,38 +134,28 @@ class PrefillWorker:
             time.sleep(self.faults.layer_delay_s)
         runner = self.engine.runner
         for seq in seqs:
-            sender = self.senders.get(seq.request_id)
-            if sender is None:
+            req = self.requests.get(seq.request_id)
+            if req is None:
                 continue
             if layer in runner.state_index:  # a GDN layer: its final state is one state frame, always raw
-                send = functools.partial(sender.send_state, runner.state_index[layer], runner.gather_state(seq, layer))
-                if self.stream_layers:
-                    send()
-                else:
-                    self._held.setdefault(seq.request_id, []).append(send)
-                if last:
-                    self._compute_done[seq.request_id] = time.time()
-                continue
-            k, v = runner.gather_layer(seq, layer)
-            ctx = None if self.compression is None else self._codec_context(seq, k, v)
+                send = functools.partial(req.sender.send_state, runner.state_index[layer],
+                                         runner.gather_state(seq, layer))
+            else:
+                k, v = runner.gather_layer(seq, layer)
+                ctx = None if self.compression is None else self._codec_context(seq, k, v)
+                send = functools.partial(req.sender.send_layer, runner.kv_index[layer], k, v, ctx)
             if last:
-                self._compute_done[seq.request_id] = time.time()
-            send = functools.partial(sender.send_layer, runner.kv_index[layer], k, v, ctx)
+                req.compute_done_s = time.time()
             if self.stream_layers:
                 send()
             else:
-                self._held.setdefault(seq.request_id, []).append(send)
+                req.held.append(send)
 
     def _codec_context(self, seq: Sequence, k: torch.Tensor, v: torch.Tensor) -> CodecContext:
         """What the codec needs to know about this layer of ``seq``'s prompt: which tokens are visual and, when the
         policy prunes, the importance scores from the prompt's last queries (:mod:`engine.kv_importance`)."""
         n = seq.num_prompt_tokens
-        visual = self._visual.get(seq.request_id)
-        if visual is None:  # once per request, not per layer
-            visual = torch.zeros(n, dtype=torch.bool, device=k.device)
-            if seq.mm is not None:
-                visual[torch.from_numpy(seq.mm.positions).to(k.device)] = True
-            self._visual[seq.request_id] = visual
+        visual = self.requests[seq.request_id].visual_mask(k.device)
         ctx = CodecContext(num_tokens=n, visual=visual)
         q = self.engine.runner.captured_queries.get(seq.seq_id) if self._score else None
         if q is not None:
@@ -181,10 +166,8 @@ class PrefillWorker:
         return ctx
 
     @staticmethod
-    def _handoff(first_token: int, seq: Sequence | None, compute_done_s: float) -> Handoff:
+    def _handoff(first_token: int, seq: Sequence, compute_done_s: float) -> Handoff:
         """What the decode side needs beside the KV (:mod:`kv_transfer.handoff`)."""
-        if seq is None:
-            return Handoff(int(first_token), compute_done_s=compute_done_s)
         choices = [{"token": int(tok), **({} if g is None else {"generator_state": generator_to_state(g)}),
                     **({} if lp is None else {"logprobs": lp.to_wire()})}
                    for tok, lp, g in seq.pending_choices or []]

@@ -16,6 +16,7 @@ import sys
 
 from cluster.cli.bench_cmd import BENCH_COMMANDS
 from engine.errors import DuetError
+from kv_transfer.registry import TRANSPORTS
 
 EXIT_USAGE = 2
 
@@ -70,7 +71,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         "(2); the rest stay in host memory (--mode disagg; default: all)")
     g.add_argument("--expert-cache-policy", choices=["lru", "duet"], default="duet",
                    help="with --expert-resident: lru (load on demand) or duet (pre-warm from routing hints)")
-    g.add_argument("--kv-transport", choices=["gloo", "nccl", "grpc", "inproc"], default="gloo",
+    g.add_argument("--kv-transport", choices=TRANSPORTS, default="gloo",
                    help="how KV moves from prefill to decode (--mode disagg)")
     g.add_argument("--kv-compression", default="none", metavar="POLICY",
                    help="KV compression on the wire (--mode disagg): none, default, aggressive, or a JSON policy")

@@ -1,7 +1,8 @@
-"""Where one request runs: the front-end's per-worker state, prefill admission and decode placement.
+"""Where one request runs: prefill admission and decode placement over the front-end's
+:class:`~cluster.control.worker.Worker` s.
 
-:class:`DisaggCluster <cluster.control.disagg.DisaggCluster>` keeps one :class:`Worker` per actor and asks this module
-for a pair, in this order (all on the front-end's event loop):
+:class:`DisaggCluster <cluster.control.disagg.DisaggCluster>` asks this module for a pair, in this order (all on the
+front-end's event loop):
 
 1. :meth:`PrefillAdmission.admit` -- wait until a prefill worker has room for the prompt, then charge it the prompt's
    uncached tokens (:func:`cluster.control.router.pick_prefill`: least expected time to first token, the prefix its
@@ -9,14 +10,15 @@ for a pair, in this order (all on the front-end's event loop):
    allocation, so no decode blocks are reserved before admission.
 2. :func:`pick_decode_worker` -- the live decode worker with most free blocks (after the admission wait: free blocks
    may have changed while it waited).
-3. :meth:`PrefillAdmission.observe` at the first token (the worker's measured speed) and
-   :meth:`PrefillAdmission.release` (the charge given back; waiters wake and ask again).
+3. :meth:`PrefillAdmission.release` at the first token or the attempt's end, whichever comes first (the charge given
+   back exactly once by the attempt's :class:`~cluster.control.worker.Assignment`; waiters wake and ask again).
 
 Each worker's :class:`~cluster.control.router.PrefixIndex` follows its prefix cache from the worker's reports
 (:func:`apply_prefix_report`): one comes in every submit reply, and :meth:`PrefillAdmission.report_prefixes` asks
 for one every ``PREFIX_REPORT_S``, so an eviction is learnt even when no request goes there.
 
-The pure algorithms are in :mod:`cluster.control.router`; this module holds the state they read.
+The pure algorithms are in :mod:`cluster.control.router`; the counters they read are the workers' own
+(:mod:`cluster.control.worker`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.control.errors import RequestTimeoutError, TransferFailedError
-from cluster.control.router import PrefillLoad, PrefixIndex, WorkerLoad, cached_prefix_tokens, pick_decode, pick_prefill
+from cluster.control.router import PrefillLoad, cached_prefix_tokens, pick_decode, pick_prefill
 from cluster.control.spec import ClusterSpec
+from cluster.control.worker import Worker
 from engine import SamplingParams
 from engine.errors import OutOfBlocksError
 from engine.sequence import Sequence
@@ -37,23 +39,6 @@ from node_common import messages
 
 PREFIX_REPORT_S = 1.0  # how often each prefill worker is asked for its prefix-cache changes (evictions included)
 PREFILL_QUEUE_LEASE_FRACTION = 0.5  # a prefill worker's admitted work, in measured seconds, vs lease_base_s
-SPEED_EWMA = 0.2  # weight of the newest submit-to-first-token sample in a prefill worker's speed
-
-
-@dataclass
-class Worker:
-    """One worker actor as the front-end sees it."""
-
-    load: WorkerLoad
-    actor: Any
-    inflight: int = 0  # requests placed on this worker and not yet finished (a drain waits for 0)
-    # prefill workers: THE load signal (cluster.control.router): prompt tokens admitted and not yet past their first
-    # token, less those predicted to come from its prefix cache
-    prefill_tokens: int = 0
-    s_per_token: float | None = None  # prefill workers: measured seconds from submit to first token per token queued
-    prefix: PrefixIndex = field(default_factory=PrefixIndex)  # prefill workers: block hashes its cache holds
-    placed_tokens: int = 0  # prefill workers: prompt tokens placed here, and those predicted cached (hit rate)
-    predicted_cached_tokens: int = 0
 
 
 class PrefillAdmission:
@@ -77,7 +62,7 @@ class PrefillAdmission:
         loop = asyncio.get_running_loop()
         while True:
             workers = live()
-            pool = [w for w in workers if w.load.worker_id not in exclude] or workers
+            pool = [w for w in workers if w.worker_id not in exclude] or workers
             if not pool:
                 raise TransferFailedError("no live prefill worker")
             pick = pick_prefill([self.load_of(w, n_prompt, hashes) for w in pool], n_prompt)
@@ -90,12 +75,8 @@ class PrefillAdmission:
             except asyncio.TimeoutError:
                 raise RequestTimeoutError(f"request {rid} waited {self._request_timeout_s:.0f} s for prefill "
                                           f"capacity") from None
-        pw = next(w for w in pool if w.load.worker_id == pick.worker_id)
-        charge = n_prompt - pick.cached_tokens
-        pw.prefill_tokens += charge
-        pw.placed_tokens += n_prompt
-        pw.predicted_cached_tokens += pick.cached_tokens
-        return pw, charge
+        pw = next(w for w in pool if w.worker_id == pick.worker_id)
+        return pw, pw.charge(n_prompt, pick.cached_tokens)
 
     async def report_prefixes(self, live: Callable[[], list[Worker]], *, timeout_s: float = 10.0) -> None:
         """Forever (a task on the front-end loop; cancel it): every ``PREFIX_REPORT_S`` ask each of ``live()`` for
@@ -117,7 +98,7 @@ class PrefillAdmission:
         """``w`` as :func:`~cluster.control.router.pick_prefill` sees it for a prompt of ``n_prompt`` tokens."""
         cached = cached_prefix_tokens(w.prefix, hashes, self.block_size)
         room = not w.prefill_tokens or w.prefill_tokens + n_prompt - cached <= self.cap(w)
-        return PrefillLoad(w.load.worker_id, w.prefill_tokens, w.s_per_token, cached, room)
+        return PrefillLoad(w.worker_id, w.prefill_tokens, w.s_per_token, cached, room)
 
     def cap(self, pw: Worker) -> float:
         """Prompt tokens ``pw`` may hold between decode allocation and first token: ``max_prefill_queue_tokens``
@@ -138,22 +119,14 @@ class PrefillAdmission:
         seq = Sequence(0, "", list(p.token_ids), len(p.token_ids), SamplingParams(), self.block_size, mm=p.mm)
         return [seq.block_hash(i) for i in range((len(p.token_ids) - 1) // self.block_size)]
 
-    @staticmethod
-    def observe(pw: Worker, elapsed_s: float, queued_tokens: int) -> None:
-        """Fold one request's submit-to-first-token time over the tokens queued with it into ``pw``'s speed."""
-        if queued_tokens <= 0 or elapsed_s <= 0:
-            return
-        sample = elapsed_s / queued_tokens
-        pw.s_per_token = sample if pw.s_per_token is None else (1 - SPEED_EWMA) * pw.s_per_token + SPEED_EWMA * sample
-
-    def release(self, pw: Worker, tokens: int) -> bool:
-        """Give back admitted prompt tokens and wake the waiters; returns False (no longer admitted)."""
-        pw.prefill_tokens -= tokens
+    def release(self, pw: Worker, tokens: int) -> None:
+        """Give back admitted prompt tokens and wake the waiters (:class:`~cluster.control.worker.Assignment` calls
+        it, once per admission)."""
+        pw.discharge(tokens)
         waiters, self._room_waiters = self._room_waiters, []
         for f in waiters:
             if not f.done():
                 f.set_result(None)
-        return False
 
 
 def apply_prefix_report(w: Worker, report: dict) -> int:
@@ -167,7 +140,7 @@ def pick_decode_worker(decodes: list[Worker], blocks: int, *, draining: Any,
                        exclude: frozenset[str] = frozenset()) -> Worker:
     """The live decode worker, not draining, with the most free blocks that can hold ``blocks`` (one outside
     ``exclude`` when any can); raises :class:`~engine.errors.OutOfBlocksError` when none can."""
-    loads = [w.load for w in decodes if w.load.worker_id not in draining]
+    loads = [w.load for w in decodes if w.worker_id not in draining]
     load = pick_decode(loads, blocks, exclude=exclude) or pick_decode(loads, blocks)
     if load is None:
         raise OutOfBlocksError(f"no live decode worker has {blocks} free KV blocks")

@@ -1,5 +1,6 @@
 """The control plane's typed errors (registered codes: :mod:`engine.errors`); :mod:`cluster.serve.errors` maps them
-to gRPC / HTTP statuses."""
+to gRPC / HTTP statuses. :class:`AttemptFailed` is internal: one attempt's failure, which the retry loop turns into
+a retry or one of the typed errors."""
 
 from __future__ import annotations
 
@@ -25,3 +26,15 @@ class DecodeInterruptedError(DuetError):
 
     code = "decode_interrupted"
     retryable = True
+
+
+class AttemptFailed(Exception):
+    """One attempt of a request failed on its (prefill, decode) pair in a way another pair may avoid: a worker died,
+    the transfer failed, or a call raised a retryable typed error. Raised by the attempt
+    (:meth:`DisaggCluster._attempt <cluster.control.disagg.DisaggCluster._attempt>`) and caught by its retry loop;
+    never reaches a client. ``error``: the typed error the client gets when no retry succeeds either (None: a
+    :class:`TransferFailedError`)."""
+
+    def __init__(self, reason: str, *, prefill_worker: str, decode_worker: str, error: DuetError | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.prefill_worker, self.decode_worker, self.error = reason, prefill_worker, decode_worker, error

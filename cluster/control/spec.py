@@ -8,9 +8,7 @@ from pathlib import Path
 from decode_node.expert_tiers import TIER_POLICIES, TierConfig
 from engine.config import DTYPES, ModelConfig, TextConfig
 from engine.errors import InvalidRequestError
-from kv_transfer import get_manager_class
-
-TRANSPORTS = ("inproc", "gloo", "nccl", "grpc")
+from kv_transfer import DEFAULT_LEASE, TRANSPORTS, get_manager_class
 DATA_PLANE_AUTH = ("hmac", "off")
 
 
@@ -46,8 +44,9 @@ class ClusterSpec:
     gpus_per_worker: float = 0.0
     stream_layers: bool = True
     request_timeout_s: float = 600.0
-    lease_base_s: float = 5.0  # lease deadline = now + lease_base_s + bytes / lease_min_rate_bps
-    lease_min_rate_bps: float = 50e6
+    # lease deadline = now + lease_base_s + bytes / lease_min_rate_bps (kv_transfer.lease.DEFAULT_LEASE)
+    lease_base_s: float = DEFAULT_LEASE.base_s
+    lease_min_rate_bps: float = DEFAULT_LEASE.min_rate_bps
     # prompt tokens a prefill worker may have between decode allocation and first token; more requests wait at the
     # front-end, not holding a lease whose deadline runs (None: 4 x max_num_batched_tokens)
     max_prefill_queue_tokens: int | None = None

@@ -1,6 +1,6 @@
 """Where one request's time went, from the front-end's clock (``time.monotonic()``), as the client API reports it.
 
-A request's deltas (:meth:`cluster.control.disagg.DisaggCluster.stream`) carry what the front-end can see: the first delta
+A request's deltas (:class:`cluster.control.delta.Delta`) carry what the front-end can see: the first delta
 with tokens has ``placement`` (when the prefill worker accepted it, and which workers serve it) and the decode
 worker's ``kv_transfer`` stats (bytes, layers, seconds, exposed_seconds). :class:`RequestClock` turns the arrival
 time, those, and the arrival times of the first and last token into stage durations:
@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.control.delta import Delta
 
 
 @dataclass
@@ -29,14 +33,13 @@ class RequestClock:
     last_at: float | None = None
     workers: dict[str, str] = field(default_factory=dict)
 
-    def observe(self, delta: dict, now: float | None = None) -> None:
+    def observe(self, delta: Delta, now: float | None = None) -> None:
         """Record one delta of the request's stream (call as it arrives)."""
         now = time.monotonic() if now is None else now
-        placement = delta.get("placement")
-        if placement:
-            self.accepted_at = placement["accepted_at"]
-            self.workers = {k: v for k, v in placement.items() if k.endswith("_worker")}
-        if delta.get("token_ids") and self.first_token_at is None:
+        if delta.placement is not None:
+            self.accepted_at = delta.placement.accepted_at
+            self.workers = delta.placement.workers()
+        if delta.token_ids and self.first_token_at is None:
             self.first_token_at = now
         self.last_at = now
 

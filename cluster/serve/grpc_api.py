@@ -145,7 +145,7 @@ def status_to_proto(st: dict) -> pb.ClusterStatusResponse:
         kv_mirror_bytes=w.get("kv_mirror_bytes", 0), kv_state_bytes=w.get("kv_state_bytes", 0),
         prefix_cache_off=w.get("prefix_cache_off") or "",
         healing=_HEALING.get(w.get("healing"), pb.WORKER_HEALING_UNSPECIFIED)) for w in st["workers"]]
-    h = st["healing"]  # cluster.control.cluster_ops.ClusterOps.healing
+    h = st["healing"]  # cluster.control.disagg.DisaggCluster.healing
     healing = pb.PoolHealing(prefill_respawns=h["respawns"]["prefill"], decode_respawns=h["respawns"]["decode"],
                              given_up=h["given_up"]["prefill"] + h["given_up"]["decode"], respawning=h["respawning"])
     return pb.ClusterStatusResponse(

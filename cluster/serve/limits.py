@@ -19,7 +19,7 @@ import PIL.Image
 from engine.config import ModelConfig
 from engine.errors import DuetError, ImageDecodeError, InvalidRequestError
 from engine.image_processor import ImageProcessor
-from engine.qwen_image_processor import QwenVLImageProcessor
+from engine.models.qwen3_vl.image_processor import QwenVLImageProcessor
 
 
 class VisualTokenLimitError(InvalidRequestError):
@@ -92,7 +92,7 @@ def image_size(data: bytes, mime_type: str, limits: Limits, index: int = 0) -> t
 def visual_token_counts(cfg: ModelConfig, processor: ImageProcessor | QwenVLImageProcessor | None,
                         sizes: list[tuple[int, int]]) -> list[int]:
     """Prompt tokens each image of ``(width, height)`` takes: LLaVA's fixed count, or a Qwen-VL image's grid /
-    merge² (from its size alone; an unusable size raises :class:`~engine.qwen_image_processor.ImageSizeError`)."""
+    merge² (from its size alone; an unusable size raises :class:`~engine.models.qwen3_vl.image_processor.ImageSizeError`)."""
     if cfg.vision is None:  # a text-only model takes no images (the engine says so)
         return [0] * len(sizes)
     if cfg.is_qwen_vl:

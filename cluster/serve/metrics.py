@@ -39,7 +39,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from cluster.control.cluster_ops import ClusterOps
+from cluster.control import cluster_ops
 
 logger = logging.getLogger(__name__)
 
@@ -250,14 +250,14 @@ class _ClusterCollector:
         yield from self._workers(self.sampler.workers)
         yield from self._prefix(self.sampler.workers)
         if self.sampler.workers:
-            kv = ClusterOps.kv_memory_summary(self.sampler.workers)
+            kv = cluster_ops.kv_memory_summary(self.sampler.workers)
             yield GaugeMetricFamily("duet_kv_memory_bytes", "KV bytes attention reads, all alive workers: paged "
                                     "pools plus decode mirrors", value=kv["total_bytes"])
         yield from self._experts(self.sampler.experts)
 
     @staticmethod
     def _prefix(rows: list[dict]):
-        summary = ClusterOps.prefix_summary([r for r in rows if r["alive"]])
+        summary = cluster_ops.prefix_summary([r for r in rows if r["alive"]])
         if summary["hit_rate"] is not None:
             yield GaugeMetricFamily("duet_prefix_cache_hit_rate", "Prefill workers' prefix-cache hits: cached / "
                                     "prompt tokens of the prompts they finished", value=summary["hit_rate"])
@@ -267,7 +267,7 @@ class _ClusterCollector:
 
     @staticmethod
     def _healing(h: dict):
-        """The pool healer's counts (:meth:`cluster.control.cluster_ops.ClusterOps.healing`; front-end state, no remote call)."""
+        """The pool healer's counts (:meth:`cluster.control.cluster_ops.cluster_ops.healing`; front-end state, no remote call)."""
         respawns = CounterMetricFamily("duet_worker_respawns", "Dead workers replaced by a fresh actor",
                                        labels=["role"])
         given_up = GaugeMetricFamily("duet_workers_given_up", "Workers that kept dying and are no longer respawned "

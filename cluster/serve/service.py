@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from cluster.control.delta import Delta
 from cluster.control.timeline import RequestClock
 from cluster.serve.chat import render_chat
 from cluster.serve.errors import (
@@ -75,19 +76,19 @@ class _Choice:
         self.n_out = 0
         self.finish: str | None = None
 
-    def push(self, item: dict, index: int) -> DeltaEvent | None:
-        ids = list(item["token_ids"])
+    def push(self, item: Delta, index: int) -> DeltaEvent | None:
+        ids = list(item.token_ids)
         self.n_out += len(ids)
         detok, stopper = self.detok, self.stopper
         text = stopper.push(detok.push(ids)) if detok is not None else ""
-        done = bool(item.get("choice_finished", item.get("finished")))
+        done = item.choice_finished or item.finished
         if done and detok is not None and stopper.matched is None:
             text += stopper.push(detok.finish()) + stopper.flush()
         if stopper.matched is not None:
             self.finish = "stop"
         elif done:
-            self.finish = item.get("finish_reason") or "stop"
-        lps, plps = item.get("logprobs"), item.get("prompt_logprobs")
+            self.finish = item.finish_reason or "stop"
+        lps, plps = item.logprobs, item.prompt_logprobs
         if not (ids or text):
             return None
         return DeltaEvent(ids, text, index, None if lps is None else [TokenLogprobs.from_wire(w) for w in lps],
@@ -192,10 +193,10 @@ class InferenceService:
             if item is _END:
                 raise DuetError("the request's stream ended without finishing")
             clock.observe(item)
-            kv, attempts = item.get("kv_transfer") or kv, item.get("attempt", attempts)
-            if item.get("expert_hist"):
-                self.expert_load.add(item["expert_hist"])
-            index = item.get("index", 0)
+            kv, attempts = item.kv_transfer or kv, item.attempt
+            if item.expert_hist:
+                self.expert_load.add(item.expert_hist)
+            index = item.index
             if not 0 <= index < n or choices[index].finish:
                 continue  # a choice a stop string ended here: the rest of its tokens are dropped
             delta = choices[index].push(item, index)

@@ -59,7 +59,7 @@ class Sender(BaseSender):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._chunk_bytes, self._forget = chunk_bytes, on_terminal
         self.call: grpc.Future | None = None
-        timeout = lease.deadline_s - time.time()
+        timeout = lease.latest_s - time.time()
         if timeout <= 0:
             self.poll()  # fails with TransferTimeout
             return
@@ -109,7 +109,7 @@ class Sender(BaseSender):
         cancelled = call.cancelled()
         error = None if cancelled else call.exception()
         if cancelled or error is not None:
-            if time.time() >= self.lease.deadline_s:  # the decode side ended the call because the lease ran out
+            if time.time() >= self.deadline_s:  # the decode side ended the call because the lease ran out
                 self._fail(TransferTimeout(f"request {self.request_id!r}: lease deadline passed (the Push call "
                                            "ended)"), notify_peer=False)
             elif cancelled:

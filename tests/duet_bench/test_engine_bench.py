@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from duet_bench.engine_bench import ScenarioSpec, make_workload, scenario_specs, usable_token_ids
+from duet_bench.engine_workload import ScenarioSpec, make_workload, scenario_specs, usable_token_ids
 from duet_bench.machine import MachineRates, decode_bound, decode_step_cost, expected_distinct_experts
 from cluster.cli.main import main
 from duet_testing.checkpoints import TinySpec, make_tiny_checkpoint

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from duet_bench.engine_bench import make_workload, scenario_specs, usable_token_ids
+from duet_bench.engine_workload import make_workload, scenario_specs, usable_token_ids
 from duet_bench.peer import PeerError, alternate, parse_peer_output, run_peer, summarize
 from cluster.cli.main import main
 from duet_testing.checkpoints import TinySpec, make_tiny_checkpoint

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from duet_bench.kvcodec_bench import agreement, byte_summary, check, mean_kl
+from duet_bench.kvcodec_bench import check
+from duet_bench.kvcodec_measure import agreement, byte_summary, mean_kl
 from cluster.cli.main import main
 
 

@@ -11,7 +11,7 @@ import pytest
 from duet_bench.qwen_bench import QWEN_BENCH_SPEC, QwenPrompts, image_sizes
 from cluster.cli.main import main
 from duet_testing.qwen_checkpoints import QwenTinySpec, make_tiny_qwen_checkpoint
-from engine.qwen_image_processor import QwenVLImageProcessor
+from engine.models.qwen3_vl.image_processor import QwenVLImageProcessor
 
 SIDES = "32,64"  # patch 16, merge 2: 1 and 4 visual tokens
 

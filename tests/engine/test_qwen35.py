@@ -19,7 +19,7 @@ import torch
 from engine import LLM
 from engine.config import ModelConfig, parse_config
 from engine.errors import UnsupportedModelError
-from engine.gdn import chunked_delta_rule, prepare_qk, recurrent_step
+from engine.models.qwen3_5.gdn import chunked_delta_rule, prepare_qk, recurrent_step
 from duet_testing.qwen35_checkpoints import Qwen35TinySpec, load_qwen35_reference, make_tiny_qwen35_checkpoint
 from tests.conftest import assert_no_leaked_blocks
 from tests.engine.test_qwen_vl import SIZES, assert_matches, build_prompt, greedy, image, reference_generate, request

@@ -1,4 +1,4 @@
-"""engine.qwen_image_processor against transformers' Qwen2VLImageProcessorPil (what Qwen3-VL checkpoints use)."""
+"""engine.models.qwen3_vl.image_processor against transformers' Qwen2VLImageProcessorPil (what Qwen3-VL checkpoints use)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from transformers import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as reference_smart_resize
 
 from engine.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
-from engine.qwen_image_processor import ImageSizeError, QwenVLImageProcessor
+from engine.models.qwen3_vl.image_processor import ImageSizeError, QwenVLImageProcessor
 from tests.conftest import make_image
 
 # What a Qwen3-VL checkpoint's preprocessor_config.json holds (transformers 5 spelling of the area bounds).

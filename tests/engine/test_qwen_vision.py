@@ -1,4 +1,4 @@
-"""``engine.qwen_vision`` against transformers' Qwen3-VL vision towers (MoE and dense), random weights, float32."""
+"""``engine.models.qwen3_vl.vision`` against transformers' Qwen3-VL vision towers (MoE and dense), random weights, float32."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from transformers import Qwen3VLMoeVisionConfig, Qwen3VLMoeVisionModel, Qwen3VLVisionConfig, Qwen3VLVisionModel
 
 from engine.errors import CheckpointError, UnsupportedModelError
-from engine.qwen_vision import IGNORED_KEYS, QwenVisionConfig, QwenVisionTower
+from engine.models.qwen3_vl.config import QwenVisionConfig
+from engine.models.qwen3_vl.vision import IGNORED_KEYS, QwenVisionTower
 
 ATOL = 1e-5
 # Two towers: MoE with 16-px patches and an 8x8 position table; dense with 14-px patches, a 6x6 table and exact GELU.

@@ -28,7 +28,7 @@ from engine.errors import (
     UnsupportedModelError,
 )
 from duet_testing.qwen_checkpoints import QwenTinySpec, load_qwen_reference, make_tiny_qwen_checkpoint
-from engine.qwen_image_processor import QwenVLImageProcessor
+from engine.models.qwen3_vl.image_processor import QwenVLImageProcessor
 from tests.conftest import assert_no_leaked_blocks
 
 SPEC = QwenTinySpec()

@@ -106,9 +106,11 @@ def test_push_summary_is_versioned() -> None:
 def test_lease_round_trips_through_msgpack_with_a_version() -> None:
     lease = Lease("r1", 4, make_layout("bfloat16"), "gloo", "127.0.0.1:1234/d0", 1e9)
     d = msgpack.unpackb(msgpack.packb(lease.to_dict()))
-    assert d["version"] == 2 and Lease.from_dict(d) == lease  # 2: state frames (None here); 1 still parses
-    with pytest.raises(ProtocolError, match="version 3"):
-        Lease.from_dict({**d, "version": 3})
+    assert d["version"] == 3 and Lease.from_dict(d) == lease  # 3: start-counted clock (off here); 1 and 2 parse
+    assert Lease.from_dict({k: v for k, v in d.items() if k not in ("start_by_s", "transfer_s")} | {"version": 2}) \
+        == lease
+    with pytest.raises(ProtocolError, match="version 4"):
+        Lease.from_dict({**d, "version": 4})
     with pytest.raises(ProtocolError, match="version None"):
         Lease.from_dict({k: v for k, v in d.items() if k != "version"})
     with pytest.raises(ProtocolError, match="malformed"):
@@ -124,6 +126,24 @@ def test_layout_validates_and_sizes() -> None:
         KVLayout(2, 16, 4, 64, "int8")
     with pytest.raises(ValueError, match="block_size"):
         KVLayout(2, 0, 4, 64, "float32")
+
+
+def test_a_lease_clock_starts_with_its_transfer_when_asked() -> None:
+    """LeasePolicy.queued / Lease.due_s: the module's worked example (100 MB at 5 s + 50 MB/s needs 7 s)."""
+    from kv_transfer.lease import MAX_QUEUE_S, LeasePolicy
+
+    now = time.time()
+    f = LeasePolicy().queued(100_000_000, now + 600)
+    assert f["transfer_s"] == pytest.approx(7.0) and f["start_by_s"] == pytest.approx(now + 600, abs=1)
+    lease = Lease("r", 4, make_layout("float32"), "gloo", "e", **f)
+    assert lease.due_s(None) == f["start_by_s"] and lease.due_s(now + 42) == pytest.approx(now + 49)
+    assert lease.latest_s == pytest.approx(now + 607, abs=1)
+    assert Lease.from_dict(msgpack.unpackb(msgpack.packb(lease.to_dict()))) == lease
+    assert LeasePolicy().queued(0, None)["start_by_s"] is None  # no start_by: the clock runs from issue
+    assert LeasePolicy().queued(0, now - 1)["start_by_s"] is None  # already past: from issue as well
+    assert LeasePolicy().queued(0, now + 1e9)["start_by_s"] <= time.time() + MAX_QUEUE_S
+    with pytest.raises(ValueError, match="together"):
+        Lease("r", 4, make_layout("float32"), "gloo", "e", now, start_by_s=now + 1)
 
 
 def test_transfer_deadline_scales_with_bytes() -> None:

@@ -56,7 +56,7 @@ def test_lease_versions():
     del v1["state"]
     assert Lease.from_dict(v1).state is None
     with pytest.raises(ProtocolError):
-        Lease.from_dict({**lease.to_dict(), "version": 3})
+        Lease.from_dict({**lease.to_dict(), "version": 4})
 
 
 def test_state_round_trips_beside_the_kv(managers):

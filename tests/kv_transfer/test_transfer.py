@@ -183,6 +183,53 @@ def test_sender_stalls_past_deadline(managers: Managers) -> None:
     assert isinstance(sender.failure_exception(), TransferTimeout)
 
 
+def _queued_lease(managers: Managers, *, start_in_s: float, transfer_s: float) -> tuple[Lease, object, Collector]:
+    """A lease whose clock starts with its transfer (``start_by_s``), its receiver and sink."""
+    import dataclasses
+
+    decode, _ = managers
+    base = decode.lease(f"queued-{uuid.uuid4().hex[:8]}", num_blocks=2, layout=make_layout())
+    lease = dataclasses.replace(base, start_by_s=time.time() + start_in_s, transfer_s=transfer_s)
+    sink = Collector()
+    return lease, decode.expect(lease, sink), sink
+
+
+def test_a_start_counted_lease_waits_for_its_prefill_then_bounds_the_transfer(managers: Managers) -> None:
+    """The lease's clock does not run while the request waits for its prefill (longer than the whole transfer
+    allowance here); once the first layer moves, a transfer that stalls fails ``transfer_s`` later on both sides."""
+    _, prefill = managers
+    lease, receiver, _ = _queued_lease(managers, start_in_s=30.0, transfer_s=0.8)
+    time.sleep(1.5)  # queued: nearly twice transfer_s
+    assert receiver.poll() is KVPoll.WAITING and receiver.failure_exception() is None
+    sender = prefill.sender(Lease.from_dict(lease.to_dict()))
+    send_all(sender, lease, seed=8, order=[0])  # starts the clock, then stalls
+    t0 = time.time()
+    assert receiver.wait(5) is KVPoll.FAILED and sender.wait(5) is KVPoll.FAILED
+    assert isinstance(receiver.failure_exception(), TransferTimeout)
+    assert isinstance(sender.failure_exception(), TransferTimeout)
+    assert time.time() - t0 < 3.0  # transfer_s after the start, far from start_by_s
+
+
+def test_a_start_counted_lease_completes_after_a_long_queue(managers: Managers) -> None:
+    _, prefill = managers
+    lease, receiver, sink = _queued_lease(managers, start_in_s=30.0, transfer_s=2.0)
+    time.sleep(2.5)  # longer than the transfer allowance
+    sender = prefill.sender(Lease.from_dict(lease.to_dict()))
+    send_all(sender, lease, seed=9)
+    sender.finish({"first_token": 1})
+    assert receiver.wait(10) is KVPoll.SUCCESS, receiver.failure_exception()
+    assert sender.wait(10) is KVPoll.SUCCESS, sender.failure_exception()
+    assert sink.matches(lease.layout, 2, seed=9)
+
+
+def test_a_start_counted_lease_that_never_starts_fails_at_start_by(managers: Managers) -> None:
+    lease, receiver, _ = _queued_lease(managers, start_in_s=1.0, transfer_s=30.0)
+    assert receiver.poll() is KVPoll.WAITING
+    assert wait_until(lambda: receiver.failure_exception() is not None, 4.0)  # the deadline watch, no polling
+    assert time.time() <= lease.start_by_s + 2.0
+    assert isinstance(receiver.failure_exception(), TransferTimeout)
+
+
 def test_unknown_frame_version_is_rejected(managers: Managers) -> None:
     lease, sender, receiver, sink = start(managers)
 

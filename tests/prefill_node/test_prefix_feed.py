@@ -27,9 +27,8 @@ def test_the_feed_is_bounded():
 
 
 def test_the_block_manager_reports_each_evicted_cached_block():
-    bm = BlockManager(num_blocks=2, block_size=4)
     feed = PrefixFeed()
-    bm.on_evict = feed.evicted
+    bm = BlockManager(num_blocks=2, block_size=4, on_evict=feed.evicted)
     seq = Sequence(0, "a", list(range(9)), 9, SamplingParams(), 4)
     assert bm.append_slots(seq, 8)
     seq.num_computed_tokens = 8

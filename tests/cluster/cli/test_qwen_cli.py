@@ -15,7 +15,7 @@ import pytest
 from cluster.cli.main import EXIT_USAGE, main
 from engine import LLM, SamplingParams
 from duet_testing.qwen_checkpoints import make_tiny_qwen_checkpoint
-from engine.qwen_image_processor import QwenVLImageProcessor
+from engine.models.qwen3_vl.image_processor import QwenVLImageProcessor
 from tests.conftest import make_image
 from tests.cluster.serve.test_qwen_serve import QUESTION, SPEC, expected_prompt_ids
 

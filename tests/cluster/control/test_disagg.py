@@ -117,10 +117,10 @@ def _wait_assigned(cluster, timeout_s=10.0):
     import time
 
     end = time.monotonic() + timeout_s
-    while not cluster._owner and time.monotonic() < end:
+    while not cluster.streams.owners() and time.monotonic() < end:
         time.sleep(0.01)
-    assert cluster._owner, "request was never placed"
-    return next(iter(cluster._owner.values()))
+    assert cluster.streams.owners(), "request was never placed"
+    return next(iter(cluster.streams.owners().values()))
 
 
 def test_corrupted_block_is_never_decoded_and_the_retry_is_correct(fault_cluster, tiny_model_dir):
@@ -257,7 +257,7 @@ def test_decode_failure_after_streamed_tokens_is_a_typed_retryable_error(fault_c
     _patch_decode_steps(fault_cluster, "fail")
     items, err = _stream_then(fault_cluster, make_request(8, seed=11), greedy(30), "mid-fail")
     assert isinstance(err, DecodeInterruptedError) and "injected decode step failure" in str(err)
-    assert items and all(it["attempt"] == 1 for it in items) and sum(len(it["token_ids"]) for it in items) < 30
+    assert items and all(it.attempt == 1 for it in items) and sum(len(it.token_ids) for it in items) < 30
     assert is_retryable(err) and messages.error_code(err) == "decode_interrupted"
     with pytest.raises(DecodeInterruptedError):  # keeps its type across a process boundary
         messages.unpack(messages.error_reply(err))
@@ -269,11 +269,11 @@ def test_decode_failure_after_streamed_tokens_is_a_typed_retryable_error(fault_c
     _patch_decode_steps(fault_cluster, "slow")
 
     def kill_owner():
-        ray.kill(next(w.actor for w in fault_cluster.decodes if w.load.worker_id == fault_cluster._owner["mid-kill"]))
+        ray.kill(next(w.actor for w in fault_cluster.decodes if w.worker_id == fault_cluster.streams.owners()["mid-kill"]))
 
     items, err = _stream_then(fault_cluster, make_request(8, seed=12), greedy(30), "mid-kill", kill_owner)
     assert isinstance(err, DecodeInterruptedError) and "died" in str(err)
-    assert items and all(it["attempt"] == 1 for it in items) and sum(len(it["token_ids"]) for it in items) < 30
+    assert items and all(it.attempt == 1 for it in items) and sum(len(it.token_ids) for it in items) < 30
     _patch_decode_steps(fault_cluster, "restore")
     _assert_idle(fault_cluster)
 
@@ -284,8 +284,10 @@ def test_a_decode_poll_that_raises_fails_its_requests_at_once():
     import asyncio
     from types import SimpleNamespace
 
-    from cluster.control.admission import Worker
     from cluster.control.router import WorkerLoad
+    from cluster.control.streams import DecodeStreams
+    from cluster.control.worker import Worker
+    from node_common.events import RequestFailed
 
     async def boom():
         raise RuntimeError("poll raised")
@@ -294,15 +296,47 @@ def test_a_decode_poll_that_raises_fails_its_requests_at_once():
     actor = SimpleNamespace(poll=SimpleNamespace(remote=lambda timeout_s: boom()))
     w = Worker(WorkerLoad("decode-0"), actor)
 
-    async def run() -> dict:
-        q: asyncio.Queue = asyncio.Queue()
-        front = SimpleNamespace(_owner={"r": "decode-0"}, _queues={"r": q}, _closing=False, _draining={},
-                                _healer=SimpleNamespace(report_death=lambda role, w, why: deaths.append(why)))
-        await asyncio.wait_for(DisaggCluster._poll(front, w), timeout=10)
-        return q.get_nowait()
+    async def run():
+        streams = DecodeStreams()
+        with streams.inbox("r", "decode-0") as q:
+            await asyncio.wait_for(streams.poll(w, lambda w, why: deaths.append(why)), timeout=10)
+            return q.get_nowait()
 
-    assert "decode-0 died" in asyncio.run(run())["failed"]
-    assert not w.load.alive and deaths == ["poll failed: RuntimeError"]
+    ev = asyncio.run(run())
+    assert isinstance(ev, RequestFailed) and ev.request_id == "r" and "decode-0 died" in ev.reason
+    assert not w.alive and deaths == ["poll failed: RuntimeError"]
+
+
+def test_a_decode_worker_marked_dead_elsewhere_fails_its_requests_at_once():
+    """Liveness cleared by someone else (a failed call, a health-ping timeout, a re-formed group) while a poll is in
+    flight: the poller ends and that worker's requests fail at once; the death is not reported twice."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.control.router import WorkerLoad
+    from cluster.control.streams import DecodeStreams
+    from cluster.control.worker import Worker
+    from node_common import messages
+    from node_common.events import RequestFailed
+
+    w: Worker
+
+    async def poll_reply():
+        w.mark_dead("health ping timed out")
+        return messages.pack(events=[], free_blocks=3)
+
+    deaths: list[str] = []
+    w = Worker(WorkerLoad("decode-1"), SimpleNamespace(poll=SimpleNamespace(remote=lambda timeout_s: poll_reply())))
+
+    async def run():
+        streams = DecodeStreams()
+        with streams.inbox("a", "decode-1") as qa, streams.inbox("b", "decode-0") as qb:
+            await asyncio.wait_for(streams.poll(w, lambda w, why: deaths.append(why)), timeout=10)
+            return qa.get_nowait(), qb.empty()
+
+    ev, other_untouched = asyncio.run(run())
+    assert isinstance(ev, RequestFailed) and "health ping timed out" in ev.reason
+    assert other_untouched and deaths == []
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -346,6 +380,27 @@ def test_requests_beyond_prefill_capacity_wait_at_the_front_end(ray_cluster, tin
         assert c.prefills[0].prefill_tokens == 0
         if queue_tokens is None:  # ~1 s per 5-10 token prompt: half a lease holds about one of them
             assert 0.05 < c.prefills[0].s_per_token < 0.5 and c.admission.cap(c.prefills[0]) < 15
+        _assert_idle(c)
+    finally:
+        c.shutdown()
+
+
+def test_a_request_queued_in_its_prefill_worker_longer_than_its_lease_completes(ray_cluster, tiny_model_dir):
+    """The lease's clock starts with the transfer (kv_transfer.lease): a burst the front-end admits all at once (a
+    queue bound far above it) waits ~4 s in the prefill worker's own queue, four times the lease's allowance, and every
+    request completes on its first attempt; nothing is held after."""
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_seqs=8,
+                       max_num_batched_tokens=12, max_model_len=128, request_timeout_s=60, lease_base_s=1.0,
+                       max_prefill_queue_tokens=10_000)
+    c = DisaggCluster(spec)
+    try:
+        import ray
+
+        ray.get(c.prefills[0].actor.inject_fault.remote("layer_delay_s", 0.5), timeout=10)  # ~1 s per prompt
+        prompts = [make_request(5 + i, seed=50 + i) for i in range(5)]  # one prompt per prefill step
+        got = c.generate_batch(prompts, greedy(2))
+        assert all(x.attempts == 1 and len(x.token_ids) == 2 for x in got), [x.attempts for x in got]
+        assert max(x.ttft_s for x in got) > 3 * spec.lease_base_s  # the queue really outlasted the lease
         _assert_idle(c)
     finally:
         c.shutdown()

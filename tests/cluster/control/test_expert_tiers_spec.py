@@ -42,14 +42,14 @@ def test_cli_options():
 
 
 def test_expert_summary_sums_the_decode_workers_prewarm_counts():
-    def cluster(resident, rows):
-        c = types.SimpleNamespace(spec=types.SimpleNamespace(expert_resident=resident), expert_routers=[],
-                                  status=lambda: rows)
-        c._tier_counts = lambda: DisaggCluster._tier_counts(c)
-        return DisaggCluster.expert_summary(c)
+    from cluster.control.cluster_ops import expert_summary
 
-    rows = [{"role": "prefill"}, {"role": "decode", "expert_tiers": {"expert_hits": 7, "stalled_loads": 2}},
-            {"role": "decode", "expert_tiers": {"expert_hits": 5, "stalled_loads": 1}}]
-    assert cluster(0.5, rows) == {"placement_changes": 0, "balancedness": None, "prewarm_hits": 12,
-                                  "prewarm_misses": 3}
-    assert cluster(None, rows) is None  # neither expert parallelism nor tiers
+    rows = [{"role": "decode", "expert_tiers": {"expert_hits": 7, "stalled_loads": 2}},
+            {"role": "decode", "expert_tiers": {"expert_hits": 5, "stalled_loads": 1}}, {"role": "decode"}]
+    assert expert_summary([], rows) == {"placement_changes": 0, "balancedness": None, "prewarm_hits": 12,
+                                        "prewarm_misses": 3}
+    assert expert_summary([], None) is None  # neither expert parallelism nor tiers
+    routers = [{"placement_changes": 2, "balancedness": 0.5}, {"placement_changes": 1, "balancedness": None},
+               {"placement_changes": 0, "balancedness": 0.9}]
+    assert expert_summary(routers, None) == {"placement_changes": 3, "balancedness": pytest.approx(0.7),
+                                             "prewarm_hits": None, "prewarm_misses": None}

@@ -16,7 +16,7 @@ from cluster.control.local_pair import LocalPair
 from cluster.control.spec import ClusterSpec
 from engine import LLM, EngineConfig
 from engine.inputs import InputProcessor
-from engine.qwen_image_processor import QwenVLImageProcessor
+from engine.models.qwen3_vl.image_processor import QwenVLImageProcessor
 from node_common import messages, prompt_wire
 from tests.cluster.control.test_qwen_disagg import qwen_image, qwen_request
 from tests.conftest import LLM_DEFAULTS, greedy, make_image, make_request

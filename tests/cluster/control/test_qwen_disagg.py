@@ -23,7 +23,7 @@ from cluster.control.local_pair import LocalPair
 from cluster.control.spec import ClusterSpec
 from engine import LLM, EngineConfig
 from duet_testing.qwen_checkpoints import QwenTinySpec, load_qwen_reference
-from engine.qwen_image_processor import QwenVLImageProcessor
+from engine.models.qwen3_vl.image_processor import QwenVLImageProcessor
 from kv_transfer import ProtocolError
 from kv_transfer.handoff import HANDOFF_VERSION, Handoff, HandoffMismatch
 from tests.conftest import greedy

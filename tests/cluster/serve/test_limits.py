@@ -114,11 +114,12 @@ def test_expert_load_summary():
 
 
 def test_request_timeline_worked_example():
+    from cluster.control.delta import Delta, WorkerPair
+
     clock = RequestClock(arrival=10.0, preprocess_s=0.05)
-    clock.observe({"token_ids": [], "finished": False}, now=10.1)
-    clock.observe({"token_ids": [7], "placement": {"accepted_at": 10.2, "prefill_worker": "p0",
-                                                   "decode_worker": "d0"}}, now=10.9)
-    clock.observe({"token_ids": [8], "finished": True}, now=11.5)
+    clock.observe(Delta("r", 0, []), now=10.1)
+    clock.observe(Delta("r", 0, [7], placement=WorkerPair(10.2, "p0", "d0")), now=10.9)
+    clock.observe(Delta("r", 0, [8], finished=True), now=11.5)
     t = clock.timeline({"exposed_seconds": 0.1}, attempts=1)
     assert t == pytest.approx({"queue_s": 0.2, "preprocess_s": 0.05, "prefill_s": 0.6, "decode_s": 0.6,
                                "ttft_s": 0.9, "total_s": 1.5, "attempts": 1, "prefill_worker": "p0",

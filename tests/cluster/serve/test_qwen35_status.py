@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.control.cluster_ops import ClusterOps
+from cluster.control import cluster_ops
 from cluster.serve.grpc_api import status_to_proto
 
 REASON = "hybrid model: a prefix hit would restore the attention layers' KV but not the GDN layers' recurrent state"
@@ -10,8 +10,8 @@ REASON = "hybrid model: a prefix hit would restore the attention layers' KV but 
 
 def _status(rows: list[dict]) -> dict:
     return {"model": "m", "transport": "gloo", "workers": rows, "in_flight": 0, "max_concurrent": 8, "kv_usage": 0.0,
-            "experts": {}, "requests_served": 3, "draining": False, "prefix_cache": ClusterOps.prefix_summary(rows),
-            "kv_memory": ClusterOps.kv_memory_summary(rows),
+            "experts": {}, "requests_served": 3, "draining": False, "prefix_cache": cluster_ops.prefix_summary(rows),
+            "kv_memory": cluster_ops.kv_memory_summary(rows),
             "healing": {"respawns": {"prefill": 0, "decode": 0}, "given_up": {"prefill": [], "decode": []},
                         "respawning": []}}
 

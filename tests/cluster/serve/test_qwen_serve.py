@@ -20,7 +20,7 @@ from duet_client._proto.duet.v1 import duet_pb2 as pb
 from duet_client._proto.duet.v1 import duet_pb2_grpc as pb_grpc
 from engine import LLM, SamplingParams
 from duet_testing.qwen_checkpoints import QwenTinySpec, make_tiny_qwen_checkpoint
-from engine.qwen_image_processor import QwenVLImageProcessor
+from engine.models.qwen3_vl.image_processor import QwenVLImageProcessor
 from tests.conftest import make_image
 
 SPEC = QwenTinySpec()

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, LayerKV, paged_attention
-from engine.config import TextConfig
-from engine.gdn import causal_conv, causal_conv_step, chunked_delta_rule, prepare_qk, recurrent_step
 from engine.layers import apply_rotary
+from engine.models.qwen3_5.gdn import causal_conv, causal_conv_step, chunked_delta_rule, prepare_qk, recurrent_step
 from engine.moe import DenseMlp, SparseMoe
 from engine.state_cache import LayerState
+from engine.text_config import TextConfig
 from engine.text_model import TextModel
 
 

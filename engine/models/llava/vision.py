@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig, VisionConfig
+from engine.config import ModelConfig
 from engine.layers import ACTIVATIONS
+from engine.models.llava.config import VisionConfig
 
 
 class VisionLayer(nn.Module):
@@ -49,15 +50,26 @@ class VisionEncoder(nn.Module):
         if v.has_cls_token:
             self.class_embedding = nn.Parameter(torch.empty(v.hidden_size))
             self.pre_layrnorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
-        # hidden_states[i] is the output of layer i (0 = embeddings); negative indices count from the end.
-        self.feature_layers = [i % (v.num_layers + 1) for i in cfg.vision_feature_layers]
-        self.layers = nn.ModuleList(VisionLayer(v) for _ in range(max(self.feature_layers)))
+        self.feature_layers = self._feature_layers(cfg)
+        self.layers = nn.ModuleList(VisionLayer(v) for _ in range(self.layers_run(cfg)))
         self.drop_first = cfg.vision_feature_select_strategy == "default"
         in_dim = v.hidden_size * len(self.feature_layers)
         th = cfg.text.hidden_size
         self.linear_1 = nn.Linear(in_dim, th, bias=cfg.projector_bias)
         self.linear_2 = nn.Linear(th, th, bias=cfg.projector_bias)
         self.proj_act = ACTIVATIONS[cfg.projector_hidden_act]
+
+    @staticmethod
+    def _feature_layers(cfg: ModelConfig) -> list[int]:
+        """hidden_states[i] is the output of layer i (0 = embeddings); negative indices count from the end."""
+        assert cfg.vision is not None
+        return [i % (cfg.vision.num_layers + 1) for i in cfg.vision_feature_layers]
+
+    @classmethod
+    def layers_run(cls, cfg: ModelConfig) -> int:
+        """Encoder layers the tower builds and runs: up to the deepest selected one (a checkpoint's later layers are
+        not loaded)."""
+        return max(cls._feature_layers(cfg))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, C, H, W] -> image features [N, tokens_per_image, text_hidden]."""

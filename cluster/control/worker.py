@@ -1,0 +1,164 @@
+"""One worker actor as the front-end sees it, and the one owner of each worker's load.
+
+Every change to a worker's load goes through this module (all on the front-end's event loop):
+
+* :class:`Worker` -- the actor handle and its counters. Its methods are the only writers: :meth:`Worker.charge` /
+  :meth:`Worker.discharge` (the prefill admission charge, called by
+  :class:`~cluster.control.admission.PrefillAdmission`), :meth:`Worker.observe_speed` (a prefill worker's measured
+  speed) and :meth:`Worker.mark_dead` (the one way a worker is marked dead, whoever noticed: a request's failed
+  call, the decode poller, the pool healer, a drain).
+* :class:`Assignment` -- one attempt's hold on its (prefill, decode) pair, a context manager that gives back what it
+  holds exactly once, however the attempt ends::
+
+      pw, charge = await admission.admit(...)          # pw charged `charge` prompt tokens
+      with Assignment(admission, pw, charge, hashes) as a:
+          a.bind(decode)                               # the request counts in flight on both workers
+          a.submitted(prefix_seq)                      # the prefill worker took it
+          a.first_token()                              # speed observed, charge released, prefix predicted
+      # exit: the charge released if no first token came, the in-flight counts dropped
+
+Also :func:`await_ref` and :func:`call`: a Ray call as a coroutine with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cluster.control.router import PrefixIndex, WorkerLoad
+
+SPEED_EWMA = 0.2  # weight of the newest submit-to-first-token sample in a prefill worker's speed
+
+
+@dataclass
+class Worker:
+    """One worker actor as the front-end sees it. Read the fields; change them only through the methods."""
+
+    load: WorkerLoad  # id, liveness and (decode) free blocks: what the pure placement reads
+    actor: Any
+    inflight: int = 0  # requests placed on this worker and not yet finished (a drain waits for 0)
+    # prefill workers: THE load signal (cluster.control.router): prompt tokens admitted and not yet past their first
+    # token, less those predicted to come from its prefix cache
+    prefill_tokens: int = 0
+    s_per_token: float | None = None  # prefill workers: measured seconds from submit to first token per token queued
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)  # prefill workers: block hashes its cache holds
+    placed_tokens: int = 0  # prefill workers: prompt tokens placed here, and those predicted cached (hit rate)
+    predicted_cached_tokens: int = 0
+    dead_reason: str | None = None  # why it was marked dead (None while alive)
+
+    @property
+    def worker_id(self) -> str:
+        return self.load.worker_id
+
+    @property
+    def alive(self) -> bool:
+        return self.load.alive
+
+    def mark_dead(self, reason: str) -> bool:
+        """Take the worker out of placement for good (a replacement is a new :class:`Worker`). Returns True for the
+        call that marked it, False when it was dead already (the first reason is kept)."""
+        if not self.load.alive:
+            return False
+        self.load.alive = False
+        self.dead_reason = reason
+        return True
+
+    def charge(self, n_prompt: int, cached_tokens: int) -> int:
+        """Admit a prompt of ``n_prompt`` tokens, ``cached_tokens`` of them predicted from the prefix cache; returns
+        the tokens charged (give them back with :meth:`discharge`)."""
+        charge = n_prompt - cached_tokens
+        self.prefill_tokens += charge
+        self.placed_tokens += n_prompt
+        self.predicted_cached_tokens += cached_tokens
+        return charge
+
+    def discharge(self, tokens: int) -> None:
+        self.prefill_tokens -= tokens
+
+    def observe_speed(self, elapsed_s: float, queued_tokens: int) -> None:
+        """Fold one request's submit-to-first-token time over the tokens queued with it into the speed."""
+        if queued_tokens <= 0 or elapsed_s <= 0:
+            return
+        sample = elapsed_s / queued_tokens
+        self.s_per_token = sample if self.s_per_token is None else \
+            (1 - SPEED_EWMA) * self.s_per_token + SPEED_EWMA * sample
+
+
+class ChargeReleaser(Protocol):
+    """Who takes an admission charge back (:class:`~cluster.control.admission.PrefillAdmission`)."""
+
+    def release(self, pw: Worker, tokens: int) -> None: ...
+
+
+class Assignment:
+    """One attempt's hold on its workers (see the module docstring): the prefill charge ``admission.admit`` took,
+    and, once bound, the request's in-flight count on both workers. Front-end loop only."""
+
+    def __init__(self, admission: ChargeReleaser, prefill: Worker, charge: int, hashes: list[bytes]) -> None:
+        self.admission, self.prefill, self.hashes = admission, prefill, hashes
+        self.decode: Worker | None = None
+        self._charge: int | None = charge  # None once given back
+        self._submitted: tuple[float, int, int] | None = None  # (monotonic time, tokens queued, prefix report)
+
+    def __enter__(self) -> Assignment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._release()
+        if self.decode is not None:
+            self.decode.inflight -= 1
+            self.prefill.inflight -= 1
+
+    def bind(self, decode: Worker) -> Worker:
+        """Place the request on ``decode`` too; both workers count it in flight until the exit."""
+        assert self.decode is None, "an assignment binds one decode worker"
+        self.decode = decode
+        decode.inflight += 1
+        self.prefill.inflight += 1
+        return decode
+
+    def submitted(self, prefix_seq: int) -> None:
+        """The prefill worker took the request; its reply carried prefix report ``prefix_seq``."""
+        self._submitted = (time.monotonic(), self.prefill.prefill_tokens, prefix_seq)
+
+    def first_token(self) -> None:
+        """The request's first tokens arrived (later calls do nothing): the prefill worker's speed is observed, the
+        charge given back, and the blocks it registered predicted in its prefix index."""
+        if self._charge is None:
+            return
+        assert self._submitted is not None, "first token before submit"
+        at, queued, seq = self._submitted
+        self.prefill.observe_speed(time.monotonic() - at, queued)
+        self._release()
+        self.prefill.prefix.add_predicted(self.hashes, seq)  # registered (the next report confirms)
+
+    def prefill_gone(self) -> str | None:
+        """Why the request cannot get its first token any more (its prefill worker is dead and has not handed the
+        prompt off), or None."""
+        if self._charge is None and self._submitted is not None or self.prefill.alive:
+            return None  # first token in: the prefill worker's part is done
+        return f"prefill worker {self.prefill.worker_id} is gone ({self.prefill.dead_reason or 'unresponsive'})"
+
+    def abort(self, rid: str) -> None:
+        """Ask the live workers of the pair to drop ``rid`` (fire and forget)."""
+        for w in (self.decode, self.prefill):
+            if w is not None and w.alive:
+                w.actor.abort.remote(rid)
+
+    def _release(self) -> None:
+        if self._charge is not None:
+            charge, self._charge = self._charge, None
+            self.admission.release(self.prefill, charge)
+
+
+async def await_ref(ref: Any) -> Any:
+    """A Ray ObjectRef as a coroutine (so ``asyncio.wait_for`` can bound it)."""
+    return await ref
+
+
+async def call(method: Any, payload: bytes, deadline: float) -> bytes:
+    """``method.remote(payload)``, bounded by ``deadline`` (``time.monotonic()``; at least 0.1 s)."""
+    left = max(0.1, deadline - time.monotonic())
+    return await asyncio.wait_for(await_ref(method.remote(payload)), timeout=left)

@@ -1,0 +1,39 @@
+"""What a prefill worker keeps per request: one :class:`PrefillRequest`.
+
+The records live in one dict, ``PrefillWorker.requests``: a request's is added by ``submit`` and popped when its
+``finish`` frame is sent (``step``) or it is aborted (``abort``, which also ends its transfer); nothing else about a
+request is kept beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sequence import Sequence
+from kv_transfer import KVSender
+
+
+@dataclass
+class PrefillRequest:
+    """One request on a prefill worker, from ``submit`` until its ``finish`` frame is sent or it is aborted.
+
+    Written only on the engine's thread (the worker's ``step`` and its KV exporter, which the engine calls in it).
+    """
+
+    sender: KVSender  # where its KV goes (the lease of the decode worker that preallocated it)
+    seq: Sequence  # the engine's sequence (choice 0; the worker never forks)
+    held: list[Callable[[], None]] = field(default_factory=list)  # KV / state sends held until the step ends
+    compute_done_s: float | None = None  # wall time the last layer's KV was computed
+    visual: torch.Tensor | None = None  # [num_prompt_tokens] bool, image-token positions; see visual_mask
+
+    def visual_mask(self, device: torch.device) -> torch.Tensor:
+        """The prompt positions that are image tokens (the codec's mask): built on first use, once per request
+        rather than per layer."""
+        if self.visual is None:
+            self.visual = torch.zeros(self.seq.num_prompt_tokens, dtype=torch.bool, device=device)
+            if self.seq.mm is not None:
+                self.visual[torch.from_numpy(self.seq.mm.positions).to(device)] = True
+        return self.visual

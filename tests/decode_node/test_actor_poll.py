@@ -1,0 +1,89 @@
+"""The decode actor's ``poll`` reply, in-process (no Ray: the actor class runs its loop thread here): versioned
+event wire maps (:mod:`node_common.events`) that ``event_from_wire`` reads, the request's tokens once and in order
+with one ``finished`` event, a failed transfer as one ``failed`` event, and no block or request record left."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from decode_node.actor import DecodeActor
+from engine import LLM, EngineConfig
+from engine.inputs import InputProcessor
+from kv_transfer import Lease
+from kv_transfer.inproc.manager import Manager as InprocManager
+from node_common import messages, prompt_wire
+from node_common.events import EVENT_VERSION, RequestFailed, TokenEvent, event_from_wire
+from prefill_node.worker import PrefillWorker
+from tests.conftest import greedy, make_request
+
+CFG = dict(dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128)
+
+
+@pytest.fixture
+def actor(tiny_model_dir, request):
+    a = DecodeActor("decode-t", str(tiny_model_dir), CFG, "inproc", **getattr(request, "param", {}))
+    yield a
+    a.shutdown()
+
+
+def _allocate(actor: DecodeActor, rid: str, prompt, params) -> Lease:
+    reply = messages.unpack(actor.allocate(messages.pack(
+        request_id=rid, prompt=prompt_wire.prompt_to_wire(prompt, for_encoder=False),
+        params=messages.params_to_dict(params))))
+    return Lease.from_dict(reply["lease"])
+
+
+def _poll_until(actor: DecodeActor, done, timeout_s: float = 60.0, step=lambda: None) -> list:
+    events, end = [], time.monotonic() + timeout_s
+    while not done(events):
+        assert time.monotonic() < end, events
+        step()
+        reply = messages.unpack(actor.poll(0.01))
+        assert set(reply) == {"v", "events", "free_blocks"}
+        assert all(w["v"] == EVENT_VERSION for w in reply["events"])
+        events.extend(event_from_wire(w) for w in reply["events"])
+    return events
+
+
+def _idle(actor: DecodeActor) -> None:
+    end = time.monotonic() + 10
+    while not messages.unpack(actor.check_no_leaks())["idle"]:
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    assert not actor.worker.requests and messages.unpack(actor.stats())["receiving"] == 0
+
+
+def test_poll_streams_typed_token_events(actor, tiny_model_dir):
+    pw = PrefillWorker(tiny_model_dir, EngineConfig(**CFG))
+    e = pw.engine
+    prompt = InputProcessor(e.model_config, e.tokenizer, e.image_processor, e.max_model_len).process(
+        make_request(9, seed=5))
+    params = greedy(5)
+    lease = _allocate(actor, "r", prompt, params)
+    pm = InprocManager()
+    pw.submit("r", prompt_wire.prompt_from_wire(prompt_wire.prompt_to_wire(prompt, for_encoder=True)), params,
+              pm.sender(lease))
+    events = _poll_until(actor, lambda evs: any(ev.finished for ev in evs),
+                         step=lambda: pw.step() if pw.has_work() else None)
+    assert all(isinstance(ev, TokenEvent) and ev.request_id == "r" for ev in events)
+    want = LLM(tiny_model_dir, **CFG).generate([make_request(9, seed=5)], params)[0].outputs[0].token_ids
+    assert [t for ev in events for t in ev.token_ids] == want
+    assert [ev.finished for ev in events] == [False] * (len(events) - 1) + [True]
+    assert events[0].kv_transfer is not None and events[0].kv_transfer["transport"] == "inproc"
+    _idle(actor)
+    pm.close()
+
+
+@pytest.mark.parametrize("actor", [{"lease_base_s": 0.2, "lease_min_rate_bps": 1e9}], indirect=True,
+                         ids=["short-lease"])
+def test_expired_lease_is_one_failed_event(actor):
+    e = actor.worker.engine
+    prompt = InputProcessor(e.model_config, e.tokenizer, e.image_processor, e.max_model_len).process(
+        make_request(7, seed=2))
+    _allocate(actor, "x", prompt, greedy(2))  # nobody sends
+    events = _poll_until(actor, lambda evs: bool(evs), timeout_s=10)
+    assert len(events) == 1 and isinstance(events[0], RequestFailed) and events[0].request_id == "x"
+    assert events[0].reason.startswith("TransferTimeout")
+    _idle(actor)
