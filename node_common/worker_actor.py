@@ -17,9 +17,13 @@ from node_common import messages
 class WorkerActorBase:
     role = "worker"
 
-    def _init_common(self, worker_id: str, num_threads: int, cpus: list[int] | None = None) -> None:
+    def _init_common(self, worker_id: str, num_threads: int, cpus: list[int] | None = None, nice: int = 0) -> None:
+        """``nice`` > 0: this worker runs at a lower scheduling priority (a prefill worker sharing cores with decode
+        workers: their steps come first, it takes what is left)."""
         if cpus:
             pin_process(cpus)
+        if nice > 0:
+            lower_priority(nice)
         torch.set_num_threads(max(1, num_threads))  # Ray sets OMP_NUM_THREADS=1 for fractional actors
         self.worker_id = worker_id
         self.lock = threading.Lock()
@@ -34,7 +38,8 @@ class WorkerActorBase:
 
     def ping(self) -> bytes:
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        return messages.pack(worker_id=self.worker_id, role=self.role, cpus=cpus)
+        return messages.pack(worker_id=self.worker_id, role=self.role, cpus=cpus, threads=torch.get_num_threads(),
+                             nice=os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0)
 
     def clear_vision_cache(self) -> int:
         """Forget the engine's cached image encodings (for benchmarks that replay the same images)."""
@@ -53,15 +58,30 @@ class WorkerActorBase:
             return messages.pack(idle=idle, held=sum(b.ref_count > 0 for b in bm.blocks) + slots)
 
 
+def _threads() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+def lower_priority(nice: int) -> None:
+    """Raise every thread's nice value to ``nice`` (Linux: nice is per thread; threads started later inherit it from
+    their creator). Best effort: a platform without it runs at normal priority."""
+    if not hasattr(os, "setpriority"):
+        return
+    for tid in _threads():
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:  # a thread that exited meanwhile, or not permitted
+            pass
+
+
 def pin_process(cpus: list[int]) -> None:
     """Pin every thread of this process (and the threads it starts later) to ``cpus`` (Linux; a no-op elsewhere)."""
     if not hasattr(os, "sched_setaffinity"):
         return
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
-    for tid in tids:
+    for tid in _threads():
         try:
             os.sched_setaffinity(tid, cpus)
         except OSError:  # a thread that exited meanwhile

@@ -22,10 +22,11 @@ logger = logging.getLogger(__name__)
 class PrefillActor(WorkerActorBase):
     role = "prefill"
 
-    def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *, num_threads: int = 1, cpus: list[int] | None = None,
-                 stream_layers: bool = True, compression: dict | None = None,
-                 secret: ClusterSecret | None = None, kv_proxy: str | None = None) -> None:
-        self._init_common(worker_id, num_threads, cpus)
+    def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *, num_threads: int = 1,
+                 cpus: list[int] | None = None, nice: int = 0, stream_layers: bool = True,
+                 compression: dict | None = None, secret: ClusterSecret | None = None,
+                 kv_proxy: str | None = None) -> None:
+        self._init_common(worker_id, num_threads, cpus, nice)
         # secret: the cluster's data-plane key (None: data_plane_auth "off"), a constructor argument pickled by Ray;
         # kv_proxy: the spec's (validated against the transport's dials_through_proxy)
         via = {"proxy": kv_proxy} if kv_proxy else {}

@@ -10,6 +10,7 @@ from engine.config import DTYPES, ModelConfig, TextConfig
 from engine.errors import InvalidRequestError
 from kv_transfer import DEFAULT_LEASE, TRANSPORTS, get_manager_class
 DATA_PLANE_AUTH = ("hmac", "off")
+PREFILL_NICE = 10  # a prefill worker sharing cores with decode workers (prefill_threads None)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class ClusterSpec:
     # pin each worker's process to cores of its own (single-node CPU runs): workers take consecutive blocks of
     # max(1, int(cpus_per_worker)) cores in spawn order (prefill first), wrapping around the machine's cores
     pin_cpus: bool = False
+    # torch threads of each prefill worker. None: on CPU workers of a one-node cluster (not pinned), the node's cores
+    # shared out over the prefill workers, at a lower scheduling priority (nice PREFILL_NICE): decode steps come
+    # first and prefill takes every core they leave idle; otherwise max(1, int(cpus_per_worker))
+    prefill_threads: int | None = None
     gpus_per_worker: float = 0.0
     stream_layers: bool = True
     request_timeout_s: float = 600.0
@@ -86,6 +91,8 @@ class ClusterSpec:
             raise InvalidRequestError("prefill_max_batched_tokens must be >= 1 (or None)")
         if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens < 1:
             raise InvalidRequestError("max_prefill_queue_tokens must be >= 1 (or None)")
+        if self.prefill_threads is not None and self.prefill_threads < 1:
+            raise InvalidRequestError("prefill_threads must be >= 1 (or None)")
         if self.transport not in TRANSPORTS:
             raise InvalidRequestError(f"unknown kv transport {self.transport!r} (choose from {', '.join(TRANSPORTS)})")
         if self.transport == "inproc":

@@ -27,7 +27,7 @@ from cluster.control import expert_groups
 from cluster.control.admission import pick_decode_worker
 from cluster.control.pool_healer import PoolHealer
 from cluster.control.router import WorkerLoad
-from cluster.control.spec import ClusterSpec
+from cluster.control.spec import PREFILL_NICE, ClusterSpec
 from cluster.control.streams import DecodeStreams
 from cluster.control.worker import Worker, await_ref
 from engine.config import DTYPES, TextConfig
@@ -62,6 +62,9 @@ class WorkerPool:
         self._closing = False
         self._healing: Future | None = None  # the healer's monitor (start)
         self.healer = PoolHealer(spec.heal_policy(), self)
+        self.prefill_threads = prefill_threads(spec, len([n for n in ray.nodes() if n.get("Alive")]))
+        logger.info("prefill workers: %d threads each%s", self.prefill_threads["num_threads"],
+                    ", below decode in priority (sharing the node's cores)" if self.prefill_threads["nice"] else "")
         self.prefills = [self._spawn("prefill", f"prefill-{i}") for i in range(spec.num_prefill)]
         self.decodes = [self._spawn("decode", f"decode-{i}", self._ep_configs[i]) for i in range(spec.num_decode)]
         ray.get([w.actor.ping.remote() for w in self.workers()], timeout=300)
@@ -289,12 +292,12 @@ class WorkerPool:
         common = {"num_threads": max(1, int(spec.cpus_per_worker)), "compression": spec.compression_policy(),
                   "cpus": self._next_cpus() if spec.pin_cpus else None, "secret": self._secret}
         if role == "prefill":
-            extra = {"stream_layers": spec.stream_layers, "kv_proxy": spec.kv_proxy}
+            extra = {"stream_layers": spec.stream_layers, "kv_proxy": spec.kv_proxy, **self.prefill_threads}
         else:
             extra = {"lease_base_s": spec.lease_base_s, "lease_min_rate_bps": spec.lease_min_rate_bps,
                      "expert_parallel": expert_parallel, "expert_tiers": spec.tier_config()}
         actor = ray.remote(self._actor_cls[role]).options(**spec.actor_options(role), max_concurrency=16).remote(
-            worker_id, spec.model_dir, spec.engine_config(role), spec.transport, **common, **extra)
+            worker_id, spec.model_dir, spec.engine_config(role), spec.transport, **{**common, **extra})
         return Worker(WorkerLoad(worker_id), actor)
 
     def _next_cpus(self) -> list[int]:
@@ -339,3 +342,17 @@ class WorkerPool:
             ray.get([w.actor.ping.remote() for w in workers], timeout=timeout)
         if stats:
             self._read_free_blocks(workers, timeout=timeout)
+
+
+def prefill_threads(spec: ClusterSpec, nodes: int, cores: int | None = None) -> dict[str, int]:
+    """``{"num_threads", "nice"}`` of each prefill worker (``ClusterSpec.prefill_threads``). On CPU workers of a
+    one-node cluster, not pinned and not set: the node's ``cores`` shared out over the prefill workers, at nice
+    ``PREFILL_NICE`` so the decode workers' steps come first. E.g. 2 cores, 1 prefill + 1 decode: 2 threads at nice
+    10 (the decode worker keeps its 1 thread at normal priority)."""
+    if spec.prefill_threads is not None:
+        return {"num_threads": spec.prefill_threads, "nice": 0}
+    own = max(1, int(spec.cpus_per_worker))
+    if spec.gpus_per_worker > 0 or spec.pin_cpus or nodes != 1:
+        return {"num_threads": own, "nice": 0}
+    cores = cores or os.cpu_count() or 1
+    return {"num_threads": max(own, cores // spec.num_prefill), "nice": PREFILL_NICE}

@@ -97,9 +97,11 @@ class Server:
         return ctx
 
     def ready_line(self) -> str:
-        spec = self.cluster.spec
+        spec, threads = self.cluster.spec, self.cluster.pool.prefill_threads
+        shared = f" (nice {threads['nice']}: decode first)" if threads["nice"] else ""
         return (f"duet serve: ready  grpc={self.grpc_target}  http={self.http_url}  model={self.service.model_name}  "
-                f"workers={spec.num_prefill} prefill + {spec.num_decode} decode ({spec.transport})"
+                f"workers={spec.num_prefill} prefill + {spec.num_decode} decode ({spec.transport})  "
+                f"prefill_threads={threads['num_threads']}{shared}"
                 f"{'  tls' if self.cfg.tls else ''}{'  auth=token' if self.cfg.token else ''}")
 
     async def stop(self, drain_timeout_s: float | None = None, force: asyncio.Event | None = None) -> None:
