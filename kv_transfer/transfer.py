@@ -109,12 +109,20 @@ class Transfer:
     def abort(self, reason: str = "aborted") -> None:
         self._fail(TransferAborted(f"request {self.request_id!r}: {reason}"), notify_peer=True)
 
+    def _start_clock(self) -> None:
+        """The transfer started (a start-counted lease's deadline is ``transfer_s`` from now): the receiver's first
+        layer or state frame, or the sender's first one handed over by its caller -- not the first one on the wire,
+        so a link that stalls before any byte moves still ends the transfer on time."""
+        with self._cond:
+            if self._started_at is None:
+                self._started_at = time.time()
+
     def _advance(self, state: KVPoll) -> bool:
         with self._cond:
             if self._state in TERMINAL or state <= self._state:
                 return False
             self._state = state
-            if state is KVPoll.TRANSFERRING:
+            if state is KVPoll.TRANSFERRING and self._started_at is None:
                 self._started_at = time.time()
             self._cond.notify_all()
         if state is KVPoll.SUCCESS:
@@ -194,6 +202,7 @@ class BaseSender(Transfer, KVSender):
             if self._sent[layer]:
                 raise ValueError(f"request {self.request_id!r}: layer {layer} sent twice")
             self._sent[layer] = 1
+        self._start_clock()
         if self._state is KVPoll.FAILED:
             return
         job = LayerJob(self, layer, k.detach().clone(), v.detach().clone(), None if ctx is None else ctx.detached())
@@ -214,6 +223,7 @@ class BaseSender(Transfer, KVSender):
             if self._state_sent[index]:
                 raise ValueError(f"request {self.request_id!r}: state frame {index} sent twice")
             self._state_sent[index] = 1
+        self._start_clock()
         if self._state is not KVPoll.FAILED:
             self._post(StateJob(self, index, copies))
 

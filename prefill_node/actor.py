@@ -48,21 +48,22 @@ class PrefillActor(WorkerActorBase):
                 except BaseException:
                     sender.abort("prefill rejected the request")
                     raise
-                prefix = self.worker.take_prefix_changes()  # the front-end's prefix index (cluster.control.router)
+                report = self.worker.take_report()  # the front-end's prefix index and the requests given up
         except messages.REPLY_ERRORS as e:
             return messages.error_reply(e)
         self.wake.set()
-        return messages.pack(ok=True, **prefix)
+        return messages.pack(ok=True, **report)
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
             return self.worker.abort(request_id)
 
-    def prefix_changes(self) -> bytes:
-        """The prefix-cache changes since the last report (a submit reply or this): the front-end asks every
-        second, so an eviction reaches its router even when no request comes here."""
+    def report(self) -> bytes:
+        """What changed since the last report (a submit reply or this: :meth:`PrefillWorker.take_report`): the
+        front-end asks every second, so an eviction reaches its router and a request given up reaches its attempt
+        even when no request comes here."""
         with self.lock:
-            return messages.pack(**self.worker.take_prefix_changes())
+            return messages.pack(**self.worker.take_report())
 
     def stats(self) -> bytes:
         with self.lock:

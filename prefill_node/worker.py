@@ -61,6 +61,8 @@ class PrefillWorker:
         # prefix-cache feed for the front-end's router (cluster.control.router.PrefixIndex): block hashes this worker
         # registered and evicted since the last submit reply
         self.prefix_feed = PrefixFeed()
+        self._dropped: list[tuple[str, str]] = []  # (request id, why) given up since the last report (take_report)
+        self._handed_off: dict[str, KVSender] = {}  # finish sent, not yet confirmed by the decode side
         self.engine = LLMEngine(model_dir, config, hooks=EngineHooks(
             kv_exporter=self._export,
             fork_choices=False,  # n > 1: the choices' first tokens go in the hand-off, decode forks them
@@ -84,8 +86,9 @@ class PrefillWorker:
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         req = self.requests.pop(request_id, None)
-        if req is not None:
-            req.sender.abort(reason)
+        sender = req.sender if req is not None else self._handed_off.pop(request_id, None)
+        if sender is not None:
+            sender.abort(reason)
         return self.engine.abort_request(request_id)
 
     def has_work(self) -> bool:
@@ -99,6 +102,8 @@ class PrefillWorker:
                 logger.warning("transfer for %s failed (%s); dropping its prefill", rid,
                                req.sender.failure_exception())
                 self.abort(rid, "transfer failed")
+                self._dropped.append((rid, f"transfer failed: {req.sender.failure_exception()}"))
+        self._sweep_handed_off()
         done = []
         for out in self.engine.step():
             rid = out.request_id
@@ -109,16 +114,31 @@ class PrefillWorker:
                 send()
             computed = time.time() if req.compute_done_s is None else req.compute_done_s
             req.sender.finish(self._handoff(out.outputs[0].token_ids[0], req.seq, computed).to_meta())
+            self._handed_off[rid] = req.sender  # until the decode side confirmed it (_sweep_handed_off)
             self._note_prefix(req.seq)
             if not out.finished:
                 self.engine.abort_request(rid)
             done.append(rid)
         return done
 
-    def take_prefix_changes(self) -> dict:
-        """The block hashes registered in / evicted from the prefix cache since the last call
-        (:meth:`prefill_node.prefix_feed.PrefixFeed.take`)."""
-        return self.prefix_feed.take()
+    def _sweep_handed_off(self) -> None:
+        """Forget handed-off transfers that ended; one that failed (its frames never arrived: a stalled link, a
+        receiver gone) is reported dropped like one that failed before its hand-off."""
+        for rid, sender in list(self._handed_off.items()):
+            state = sender.poll()
+            if state is KVPoll.FAILED:
+                self._dropped.append((rid, f"transfer failed after the hand-off: {sender.failure_exception()}"))
+            if state in (KVPoll.FAILED, KVPoll.SUCCESS):
+                del self._handed_off[rid]
+
+    def take_report(self) -> dict:
+        """What the front-end learns since the last call: the block hashes registered in / evicted from the prefix
+        cache (:meth:`prefill_node.prefix_feed.PrefixFeed.take`) and ``dropped``: ``[[request id, reason], ...]``,
+        the requests this worker gave up on because their transfer failed (the decode side may not know: a receiver
+        whose lease waits for its transfer to start would wait for the request's deadline)."""
+        self._sweep_handed_off()
+        dropped, self._dropped = self._dropped, []
+        return {**self.prefix_feed.take(), "dropped": [[rid, why] for rid, why in dropped]}
 
     def _note_prefix(self, seq: Sequence) -> None:
         """Count ``seq``'s prefix-cache hit and remember the hashes of its full prompt blocks, which the engine has

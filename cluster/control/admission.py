@@ -14,7 +14,7 @@ front-end's event loop):
    back exactly once by the attempt's :class:`~cluster.control.worker.Assignment`; waiters wake and ask again).
 
 Each worker's :class:`~cluster.control.router.PrefixIndex` follows its prefix cache from the worker's reports
-(:func:`apply_prefix_report`): one comes in every submit reply, and :meth:`PrefillAdmission.report_prefixes` asks
+(:func:`apply_prefix_report`): one comes in every submit reply, and :meth:`PrefillAdmission.reports` asks
 for one every ``PREFIX_REPORT_S``, so an eviction is learnt even when no request goes there.
 
 The pure algorithms are in :mod:`cluster.control.router`; the counters they read are the workers' own
@@ -78,17 +78,17 @@ class PrefillAdmission:
         pw = next(w for w in pool if w.worker_id == pick.worker_id)
         return pw, pw.charge(n_prompt, pick.cached_tokens)
 
-    async def report_prefixes(self, live: Callable[[], list[Worker]], *, timeout_s: float = 10.0) -> None:
+    async def reports(self, live: Callable[[], list[Worker]], apply: Callable[[Worker, dict], Any], *,
+                      timeout_s: float = 10.0) -> None:
         """Forever (a task on the front-end loop; cancel it): every ``PREFIX_REPORT_S`` ask each of ``live()`` for
-        its prefix-cache changes. A worker that does not answer is skipped (its death is the healer's to see)."""
-        if not self.prefix_caching:
-            return
+        its report (``PrefillActor.report``: prefix-cache changes, requests given up) and hand it to ``apply``. A
+        worker that does not answer is skipped (its death is the healer's to see)."""
 
         async def ask(w: Worker) -> None:
             async def call() -> bytes:
-                return await w.actor.prefix_changes.remote()
+                return await w.actor.report.remote()
 
-            apply_prefix_report(w, messages.unpack(await asyncio.wait_for(call(), timeout=timeout_s)))
+            apply(w, messages.unpack(await asyncio.wait_for(call(), timeout=timeout_s)))
 
         while True:
             await asyncio.sleep(PREFIX_REPORT_S)
@@ -130,8 +130,8 @@ class PrefillAdmission:
 
 
 def apply_prefix_report(w: Worker, report: dict) -> int:
-    """Fold a prefill worker's prefix report (``prefix_seq, registered, evicted``: a submit reply or a
-    ``prefix_changes`` reply) into its index; returns the report's number."""
+    """Fold a prefill worker's prefix report (``prefix_seq, registered, evicted``: a submit reply or a ``report``
+    reply) into its index; returns the report's number."""
     w.prefix.update(report["prefix_seq"], report["registered"], report["evicted"])
     return report["prefix_seq"]
 

@@ -80,7 +80,7 @@ class DisaggCluster:
         self._thread.start()
         self.pool.start()
         self._prefix_task = asyncio.run_coroutine_threadsafe(
-            self.admission.report_prefixes(self.pool.open_prefills), self._loop)
+            self.admission.reports(self.pool.open_prefills, self._apply_report), self._loop)
 
     # ------------------------------------------------------------------------------------------ the pool, read
     @property
@@ -232,6 +232,14 @@ class DisaggCluster:
         p, wire = self._prepare(prompt)
         return await collect(self._serve(p, wire, params, None), p.token_ids, self.tokenizer)
 
+    def _apply_report(self, pw: Worker, report: dict) -> int:
+        """A prefill worker's report (a submit reply or a periodic one): its prefix changes go to its index, and each
+        request it gave up (its transfer failed) ends that attempt now, whatever the decode side knows. Returns
+        the report's number."""
+        for rid, why in report.get("dropped", []):
+            self.streams.fail(rid, f"prefill worker {pw.worker_id} gave it up ({why})")
+        return apply_prefix_report(pw, report)
+
     async def _serve(self, p: Any, wire: dict, params: SamplingParams, request_id: str | None
                      ) -> AsyncIterator[Delta]:
         """One request: an attempt, and one retry on another pair when it failed before any token streamed."""
@@ -291,8 +299,8 @@ class DisaggCluster:
                     decode.load.free_blocks = reply["free_blocks"]
                     try:
                         to_prefill = messages.pack(**body, prompt=wire["prefill"], lease=reply["lease"])
-                        a.submitted(apply_prefix_report(pw, messages.unpack(await call(pw.actor.submit, to_prefill,
-                                                                                       deadline))))
+                        a.submitted(self._apply_report(pw, messages.unpack(await call(pw.actor.submit, to_prefill,
+                                                                                      deadline))))
                     except Exception as e:  # noqa: BLE001 - sorted by _failed
                         if decode.alive:
                             decode.actor.abort.remote(rid)

@@ -10,6 +10,7 @@ inboxes.
   each is parsed with :func:`~node_common.events.event_from_wire` and put in its request's inbox. A poll that fails
   (the worker died, stopped answering, or sent something undecodable) marks the worker dead, fails each of its
   requests with a :class:`~node_common.events.RequestFailed` at once, and reports the death; the poller then ends.
+* :meth:`DecodeStreams.fail` -- ends one attempt's wait from elsewhere (its prefill worker gave it up).
 * :meth:`DecodeStreams.next` -- the attempt's wait for its next event, bounded by the request's deadline; a request
   whose prefill worker died before its first token ends there (its lease waits for the prefill to start, so the
   decode side alone would not notice before the request's deadline).
@@ -97,6 +98,11 @@ class DecodeStreams:
                     queue.put_nowait(ev)
         # marked dead elsewhere (a failed call, a health-ping timeout, its group re-formed): its requests end now
         self._fail_requests_of(w.worker_id, f"decode worker {w.worker_id} is gone ({w.dead_reason or 'unresponsive'})")
+
+    def fail(self, rid: str, reason: str) -> None:
+        """End attempt ``rid``'s wait with a :class:`~node_common.events.RequestFailed` (no-op once it ended)."""
+        if (queue := self._inboxes.get(rid)) is not None:
+            queue.put_nowait(RequestFailed(rid, reason))
 
     def _fail_requests_of(self, worker_id: str, reason: str) -> None:
         for rid, owner in list(self._owner.items()):

@@ -188,3 +188,44 @@ def test_decode_worker_encodes_images_when_a_preemption_recomputes_the_prompt(ti
     assert not failed and got == _local(tiny_model_dir, prompts, params)
     assert encoded[0] >= 1
     _idle(pw, dw)
+
+
+def test_a_prefill_worker_reports_the_requests_it_gave_up(tiny_model_dir):
+    """A request whose transfer failed before its prefill ran (the decode side aborted it) is dropped by the prefill
+    worker and named in its next report, once, with the reason: a front-end whose decode side may not know (a lease
+    waiting for its transfer to start) ends that attempt from it."""
+    pw, dw, pm = _pair(tiny_model_dir)
+    prompt, sp = make_request(6, seed=70), greedy(2)
+    lease = dw.allocate("gone", prompt, sp, start_by_s=__import__("time").time() + 60)
+    assert lease.start_by_s is not None and lease.transfer_s is not None
+    sender = pm.sender(lease)
+    pw.submit("gone", prompt, sp, sender)
+    pw.take_report()  # what the submit reply would carry
+    dw.abort("gone")
+    assert sender.wait(5) is KVPoll.FAILED
+    pw.step()
+    report = pw.take_report()
+    assert [rid for rid, _ in report["dropped"]] == ["gone"] and "transfer failed" in report["dropped"][0][1]
+    assert pw.take_report()["dropped"] == [] and not pw.has_work()
+    assert not dw.has_work()
+
+
+def test_a_transfer_that_fails_after_the_hand_off_is_reported_too(tiny_model_dir):
+    """The prefill worker handed the request off (every layer and the finish frame queued) but the transfer failed
+    afterwards (here: the decode side aborted it): the next report names it."""
+    pw, dw, pm = _pair(tiny_model_dir)
+    prompt, sp = make_request(5, seed=71), greedy(2)
+    lease = dw.allocate("late", prompt, sp, start_by_s=__import__("time").time() + 60)
+    sender = pm.sender(lease)
+    sender.tamper = lambda header, payload: header.update(v=99)  # every frame refused: the receiver fails
+    pw.submit("late", prompt, sp, sender)
+    for _ in range(50):
+        if not pw.has_work():
+            break
+        pw.step()
+    assert not pw.has_work() and sender.wait(5) is KVPoll.FAILED
+    report = pw.take_report()
+    assert [rid for rid, _ in report["dropped"]] == ["late"] and "after the hand-off" in report["dropped"][0][1]
+    assert pw.take_report()["dropped"] == []
+    dw.step()
+    assert not dw.has_work()
