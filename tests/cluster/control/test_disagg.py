@@ -387,8 +387,8 @@ def test_requests_beyond_prefill_capacity_wait_at_the_front_end(ray_cluster, tin
 
 def test_a_request_queued_in_its_prefill_worker_longer_than_its_lease_completes(ray_cluster, tiny_model_dir):
     """The lease's clock starts with the transfer (kv_transfer.lease): a burst the front-end admits all at once (a
-    queue bound far above it) waits ~4 s in the prefill worker's own queue, four times the lease's allowance, and every
-    request completes on its first attempt; nothing is held after."""
+    queue bound far above it) waits 3-4 s in the prefill worker's own queue (one step of ~1 s at a time), several
+    times the lease's ~1 s allowance, and every request completes on its first attempt; nothing is held after."""
     spec = ClusterSpec(model_dir=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_seqs=8,
                        max_num_batched_tokens=12, max_model_len=128, request_timeout_s=60, lease_base_s=1.0,
                        max_prefill_queue_tokens=10_000)
@@ -400,7 +400,7 @@ def test_a_request_queued_in_its_prefill_worker_longer_than_its_lease_completes(
         prompts = [make_request(5 + i, seed=50 + i) for i in range(5)]  # one prompt per prefill step
         got = c.generate_batch(prompts, greedy(2))
         assert all(x.attempts == 1 and len(x.token_ids) == 2 for x in got), [x.attempts for x in got]
-        assert max(x.ttft_s for x in got) > 3 * spec.lease_base_s  # the queue really outlasted the lease
+        assert max(x.ttft_s for x in got) > 2 * spec.lease_base_s  # the queue really outlasted the lease
         _assert_idle(c)
     finally:
         c.shutdown()
