@@ -46,6 +46,7 @@ class ClusterSpec:
     # shared out over the prefill workers, at a lower scheduling priority (nice PREFILL_NICE): decode steps come
     # first and prefill takes every core they leave idle; otherwise max(1, int(cpus_per_worker))
     prefill_threads: int | None = None
+    decode_threads: int | None = None  # torch threads of each decode worker (None: max(1, int(cpus_per_worker)))
     gpus_per_worker: float = 0.0
     stream_layers: bool = True
     request_timeout_s: float = 600.0
@@ -91,8 +92,9 @@ class ClusterSpec:
             raise InvalidRequestError("prefill_max_batched_tokens must be >= 1 (or None)")
         if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens < 1:
             raise InvalidRequestError("max_prefill_queue_tokens must be >= 1 (or None)")
-        if self.prefill_threads is not None and self.prefill_threads < 1:
-            raise InvalidRequestError("prefill_threads must be >= 1 (or None)")
+        for name in ("prefill_threads", "decode_threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1 (or None)")
         if self.transport not in TRANSPORTS:
             raise InvalidRequestError(f"unknown kv transport {self.transport!r} (choose from {', '.join(TRANSPORTS)})")
         if self.transport == "inproc":

@@ -294,7 +294,8 @@ class WorkerPool:
         if role == "prefill":
             extra = {"stream_layers": spec.stream_layers, "kv_proxy": spec.kv_proxy, **self.prefill_threads}
         else:
-            extra = {"lease_base_s": spec.lease_base_s, "lease_min_rate_bps": spec.lease_min_rate_bps,
+            extra = {"num_threads": spec.decode_threads or common["num_threads"],
+                     "lease_base_s": spec.lease_base_s, "lease_min_rate_bps": spec.lease_min_rate_bps,
                      "expert_parallel": expert_parallel, "expert_tiers": spec.tier_config()}
         actor = ray.remote(self._actor_cls[role]).options(**spec.actor_options(role), max_concurrency=16).remote(
             worker_id, spec.model_dir, spec.engine_config(role), spec.transport, **{**common, **extra})

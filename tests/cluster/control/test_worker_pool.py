@@ -26,6 +26,7 @@ def test_otherwise_the_spec_says(tiny_model_dir, kw, nodes):
     assert prefill_threads(spec, nodes=nodes, cores=16) == {"num_threads": want, "nice": 0}
 
 
-def test_prefill_threads_is_validated(tiny_model_dir):
-    with pytest.raises(InvalidRequestError, match="prefill_threads"):
-        ClusterSpec(model_dir=str(tiny_model_dir), prefill_threads=0)
+@pytest.mark.parametrize("name", ["prefill_threads", "decode_threads"])
+def test_thread_counts_are_validated(tiny_model_dir, name):
+    with pytest.raises(InvalidRequestError, match=name):
+        ClusterSpec(model_dir=str(tiny_model_dir), **{name: 0})
