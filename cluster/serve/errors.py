@@ -11,7 +11,7 @@ import grpc
 
 from cluster.control.errors import DecodeInterruptedError, RequestTimeoutError, TransferFailedError
 from cluster.serve.limits import Overloaded
-from engine.errors import DuetError, InvalidRequestError, OutOfBlocksError, is_retryable
+from engine.errors import DuetError, InvalidRequestError, OutOfBlocksError, RequestAbortedError, is_retryable
 
 
 class ModelNotFoundError(InvalidRequestError):
@@ -55,6 +55,9 @@ def classify(e: BaseException) -> ErrorInfo:
         return ErrorInfo(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", None, "unavailable", msg)
     if isinstance(e, DecodeInterruptedError):  # after tokens were streamed: the client may send it again
         return ErrorInfo(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", DecodeInterruptedError.code,
+                         "unavailable", msg)
+    if isinstance(e, RequestAbortedError):  # cut short by a drain or a cancel: the client may send it again
+        return ErrorInfo(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", RequestAbortedError.code,
                          "unavailable", msg)
     if isinstance(e, RequestTimeoutError):
         return ErrorInfo(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout", None, "timeout", msg)

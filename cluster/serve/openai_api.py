@@ -28,7 +28,7 @@ from cluster.serve.openapi import openapi_document
 from cluster.serve.schema import DeltaEvent, FinalEvent, GenerateInput
 from cluster.serve.service import InferenceService
 from cluster.serve.tool_calls import ToolStream, reply_message, tool_parser
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestAbortedError
 from engine.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,13 @@ def _usage(ev: FinalEvent) -> dict:
 
 
 def _finish(reason: str) -> str:
-    return "stop" if reason == "abort" else reason  # OpenAI has no "abort"
+    """An OpenAI finish reason. OpenAI has no "abort": a reply cut short (the server drained past its timeout, the
+    request cancelled) is an error -- a 503 before the response started, an in-band error in a stream -- never a
+    200 that reads like a natural end."""
+    if reason == "abort":
+        raise RequestAbortedError("the request was aborted before it finished (the server is shutting down or it "
+                                  "was cancelled); it may be sent again")
+    return reason
 
 
 async def _json_body(request: web.Request) -> dict:
