@@ -33,6 +33,17 @@ from engine.errors import CheckpointError, ImageDecodeError, InvalidRequestError
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _RESAMPLE_FILTERS = {int(f) for f in PIL.Image.Resampling}  # NEAREST=0 LANCZOS=1 BILINEAR=2 BICUBIC=3 BOX=4 HAMMING=5
+
+
+def check_pixel_steps(resample: int, rescale_factor: float, image_mean, image_std) -> None:
+    """The resample filter, rescale and normalisation every image processor config shares; CheckpointError when
+    unusable."""
+    if resample not in _RESAMPLE_FILTERS:
+        raise CheckpointError(f"unknown resample filter {resample}")
+    if not rescale_factor > 0:
+        raise CheckpointError(f"rescale_factor must be positive, got {rescale_factor}")
+    if len(image_mean) != 3 or len(image_std) != 3 or 0 in image_std:
+        raise CheckpointError(f"image_mean/std need 3 values, std non-zero: {image_mean}, {image_std}")
 _REFERENCE_DEFAULT_SIZE = 224  # the size transformers' SigLIP and CLIP processors default to
 
 
@@ -107,12 +118,7 @@ class ImageProcessorConfig:
             raise CheckpointError(f"crop_size must be {{height, width}}, got {self.crop_size}")
         if not self.do_center_crop and not (self.do_resize and "height" in self.size):
             raise CheckpointError("image preprocessing must end in a fixed size (exact resize or center crop)")
-        if self.resample not in _RESAMPLE_FILTERS:
-            raise CheckpointError(f"unknown resample filter {self.resample}")
-        if not self.rescale_factor > 0:
-            raise CheckpointError(f"rescale_factor must be positive, got {self.rescale_factor}")
-        if len(self.image_mean) != 3 or len(self.image_std) != 3 or 0 in self.image_std:
-            raise CheckpointError(f"image_mean/std need 3 values, std non-zero: {self.image_mean}, {self.image_std}")
+        check_pixel_steps(self.resample, self.rescale_factor, self.image_mean, self.image_std)
 
     @classmethod
     def defaults(cls, vision_model_type: str, image_size: int | None = None) -> ImageProcessorConfig:

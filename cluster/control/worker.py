@@ -101,6 +101,7 @@ class Assignment:
         self.decode: Worker | None = None
         self._charge: int | None = charge  # None once given back
         self._submitted: tuple[float, int, int] | None = None  # (monotonic time, tokens queued, prefix report)
+        self._first_token = False
 
     def __enter__(self) -> Assignment:
         return self
@@ -126,8 +127,9 @@ class Assignment:
     def first_token(self) -> None:
         """The request's first tokens arrived (later calls do nothing): the prefill worker's speed is observed, the
         charge given back, and the blocks it registered predicted in its prefix index."""
-        if self._charge is None:
+        if self._first_token:
             return
+        self._first_token = True
         assert self._submitted is not None, "first token before submit"
         at, queued, seq = self._submitted
         self.prefill.observe_speed(time.monotonic() - at, queued)
@@ -137,7 +139,7 @@ class Assignment:
     def prefill_gone(self) -> str | None:
         """Why the request cannot get its first token any more (its prefill worker is dead and has not handed the
         prompt off), or None."""
-        if self._charge is None and self._submitted is not None or self.prefill.alive:
+        if self._first_token or self.prefill.alive:
             return None  # first token in: the prefill worker's part is done
         return f"prefill worker {self.prefill.worker_id} is gone ({self.prefill.dead_reason or 'unresponsive'})"
 

@@ -31,11 +31,16 @@ import torch
 
 from engine.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
 # one definition of the compositing rule and of where a checkpoint keeps its processor config
-from engine.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, _convert_rgb, _read_processor_json
+from engine.image_processor import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    _convert_rgb,
+    _read_processor_json,
+    check_pixel_steps,
+)
 
 MAX_ASPECT_RATIO = 200  # smart_resize rejects images whose long side is more than this many times the short side
 _SUPPORTED_TYPE_PREFIX = "Qwen2VLImageProcessor"  # ...Fast / ...Pil: Qwen3-VL checkpoints name the Qwen2-VL class
-_RESAMPLE_FILTERS = {int(f) for f in PIL.Image.Resampling}
 
 
 class ImageSizeError(InvalidRequestError):
@@ -97,12 +102,7 @@ class QwenVLImageProcessor:
             raise CheckpointError(f"{', '.join(ints)} must be positive ints, got {[getattr(self, k) for k in ints]}")
         if self.min_pixels > self.max_pixels:
             raise CheckpointError(f"min_pixels {self.min_pixels} is above max_pixels {self.max_pixels}")
-        if self.resample not in _RESAMPLE_FILTERS:
-            raise CheckpointError(f"unknown resample filter {self.resample}")
-        if not self.rescale_factor > 0:
-            raise CheckpointError(f"rescale_factor must be positive, got {self.rescale_factor}")
-        if len(self.image_mean) != 3 or len(self.image_std) != 3 or 0 in self.image_std:
-            raise CheckpointError(f"image_mean/std need 3 values, std non-zero: {self.image_mean}, {self.image_std}")
+        check_pixel_steps(self.resample, self.rescale_factor, self.image_mean, self.image_std)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> QwenVLImageProcessor:

@@ -278,67 +278,6 @@ def test_decode_failure_after_streamed_tokens_is_a_typed_retryable_error(fault_c
     _assert_idle(fault_cluster)
 
 
-def test_a_decode_poll_that_raises_fails_its_requests_at_once():
-    """Not only a dead actor: a poll that raises anything (a task error, an undecodable reply) marks the worker dead
-    and fails its requests now, instead of leaving them to their deadline behind a poller that stopped."""
-    import asyncio
-    from types import SimpleNamespace
-
-    from cluster.control.router import WorkerLoad
-    from cluster.control.streams import DecodeStreams
-    from cluster.control.worker import Worker
-    from node_common.events import RequestFailed
-
-    async def boom():
-        raise RuntimeError("poll raised")
-
-    deaths: list[str] = []
-    actor = SimpleNamespace(poll=SimpleNamespace(remote=lambda timeout_s: boom()))
-    w = Worker(WorkerLoad("decode-0"), actor)
-
-    async def run():
-        streams = DecodeStreams()
-        with streams.inbox("r", "decode-0") as q:
-            await asyncio.wait_for(streams.poll(w, lambda w, why: deaths.append(why)), timeout=10)
-            return q.get_nowait()
-
-    ev = asyncio.run(run())
-    assert isinstance(ev, RequestFailed) and ev.request_id == "r" and "decode-0 died" in ev.reason
-    assert not w.alive and deaths == ["poll failed: RuntimeError"]
-
-
-def test_a_decode_worker_marked_dead_elsewhere_fails_its_requests_at_once():
-    """Liveness cleared by someone else (a failed call, a health-ping timeout, a re-formed group) while a poll is in
-    flight: the poller ends and that worker's requests fail at once; the death is not reported twice."""
-    import asyncio
-    from types import SimpleNamespace
-
-    from cluster.control.router import WorkerLoad
-    from cluster.control.streams import DecodeStreams
-    from cluster.control.worker import Worker
-    from node_common import messages
-    from node_common.events import RequestFailed
-
-    w: Worker
-
-    async def poll_reply():
-        w.mark_dead("health ping timed out")
-        return messages.pack(events=[], free_blocks=3)
-
-    deaths: list[str] = []
-    w = Worker(WorkerLoad("decode-1"), SimpleNamespace(poll=SimpleNamespace(remote=lambda timeout_s: poll_reply())))
-
-    async def run():
-        streams = DecodeStreams()
-        with streams.inbox("a", "decode-1") as qa, streams.inbox("b", "decode-0") as qb:
-            await asyncio.wait_for(streams.poll(w, lambda w, why: deaths.append(why)), timeout=10)
-            return qa.get_nowait(), qb.empty()
-
-    ev, other_untouched = asyncio.run(run())
-    assert isinstance(ev, RequestFailed) and "health ping timed out" in ev.reason
-    assert other_untouched and deaths == []
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("policy", ["default", "aggressive"])
 def test_compressed_kv_runs_end_to_end(ray_cluster, tiny_model_dir, transport, policy):
