@@ -65,7 +65,8 @@ class PrefillAdmission:
             pool = [w for w in workers if w.worker_id not in exclude] or workers
             if not pool:
                 raise TransferFailedError("no live prefill worker")
-            pick = pick_prefill([self.load_of(w, n_prompt, hashes) for w in pool], n_prompt)
+            unmeasured_s = max((w.s_per_token for w in workers if w.s_per_token is not None), default=None)
+            pick = pick_prefill([self.load_of(w, n_prompt, hashes, unmeasured_s) for w in pool], n_prompt)
             if pick is not None:
                 break
             fut = loop.create_future()
@@ -94,22 +95,29 @@ class PrefillAdmission:
             await asyncio.sleep(PREFIX_REPORT_S)
             await asyncio.gather(*(ask(w) for w in live()), return_exceptions=True)
 
-    def load_of(self, w: Worker, n_prompt: int, hashes: list[bytes]) -> PrefillLoad:
-        """``w`` as :func:`~cluster.control.router.pick_prefill` sees it for a prompt of ``n_prompt`` tokens."""
+    def load_of(self, w: Worker, n_prompt: int, hashes: list[bytes],
+                unmeasured_s_per_token: float | None = None) -> PrefillLoad:
+        """``w`` as :func:`~cluster.control.router.pick_prefill` sees it for a prompt of ``n_prompt`` tokens
+        (``unmeasured_s_per_token``: see :meth:`cap`)."""
         cached = cached_prefix_tokens(w.prefix, hashes, self.block_size)
-        room = not w.prefill_tokens or w.prefill_tokens + n_prompt - cached <= self.cap(w)
+        room = not w.prefill_tokens or w.prefill_tokens + n_prompt - cached <= self.cap(w, unmeasured_s_per_token)
         return PrefillLoad(w.worker_id, w.prefill_tokens, w.s_per_token, cached, room)
 
-    def cap(self, pw: Worker) -> float:
+    def cap(self, pw: Worker, unmeasured_s_per_token: float | None = None) -> float:
         """Prompt tokens ``pw`` may hold between decode allocation and first token: ``max_prefill_queue_tokens``
-        when configured; by default 4 x ``max_num_batched_tokens`` and, once the worker's speed is measured, no more
-        than it gets through in half a lease (``lease_base_s``), so a queue on a slow worker (a CPU, a long prompt
-        mix) never outlives the leases its requests hold. Until the first measurement, one prompt at a time."""
+        when configured; by default 4 x ``max_num_batched_tokens`` and no more than the worker gets through in half
+        a lease (``lease_base_s``) at its measured speed, so a queue on a slow worker (a CPU, a long prompt mix) never
+        outlives the leases its requests hold. A worker not measured yet is assumed as slow as
+        ``unmeasured_s_per_token`` (:meth:`admit` passes the slowest measured worker of the pool); with no
+        measurement at all, one prompt at a time. (Holding an unmeasured worker to one prompt while a measured one
+        takes the rest hands a whole burst to whichever worker answered first: a fresh worker's first prompt is
+        slow.)"""
         if not self._adaptive_cap:
             return self._static_cap
-        if pw.s_per_token is None:
+        s_per_token = pw.s_per_token if pw.s_per_token is not None else unmeasured_s_per_token
+        if s_per_token is None:
             return 0
-        return min(self._static_cap, PREFILL_QUEUE_LEASE_FRACTION * self._lease_base_s / pw.s_per_token)
+        return min(self._static_cap, PREFILL_QUEUE_LEASE_FRACTION * self._lease_base_s / s_per_token)
 
     def block_hashes(self, p: Any) -> list[bytes]:
         """The prompt's block hashes a prefill worker's prefix cache would look up (the engine's own

@@ -4,12 +4,15 @@ wait for a request's next event (:meth:`cluster.control.streams.DecodeStreams.ne
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
 
+from cluster.control.admission import PrefillAdmission
 from cluster.control.errors import RequestTimeoutError
 from cluster.control.router import WorkerLoad
+from cluster.control.spec import ClusterSpec
 from cluster.control.streams import DecodeStreams
 from cluster.control.worker import Assignment, Worker
 from node_common.events import RequestFailed, TokenEvent
@@ -157,3 +160,26 @@ def test_a_decode_worker_marked_dead_elsewhere_fails_its_requests_at_once():
     ev, other_untouched = asyncio.run(run())
     assert isinstance(ev, RequestFailed) and "health ping timed out" in ev.reason
     assert other_untouched and deaths == []
+
+
+def test_an_unmeasured_prefill_worker_is_admitted_as_much_as_the_slowest_measured_one(tiny_model_dir):
+    """A fresh worker's first prompt is slow (warm-up); held to one prompt until then, it would watch the measured
+    worker take a whole burst. It is capped as the pool's slowest measured worker instead (and one prompt at a time
+    only while no worker is measured)."""
+    adm = PrefillAdmission(ClusterSpec(model_dir=str(tiny_model_dir), max_num_batched_tokens=64, lease_base_s=2.0))
+    fast, slow, fresh = (Worker(WorkerLoad(f"prefill-{i}"), _actor()) for i in range(3))
+    assert adm.cap(fresh) == 0  # nothing measured: one prompt at a time
+    fast.observe_speed(0.01, 1)
+    slow.observe_speed(0.04, 1)
+    assert adm.cap(fast) == min(64 * 4, 0.5 * 2.0 / 0.01) and adm.cap(slow) == 0.5 * 2.0 / 0.04 == adm.cap(fresh, 0.04)
+
+    async def place(n: int) -> list[str]:
+        picks = []
+        for i in range(n):  # 10-token prompts, distinct: no prefix affinity
+            pw, _ = await adm.admit(lambda: [fast, fresh], 10, [], f"r{i}", time.monotonic() + 0.5, frozenset())
+            picks.append(pw.worker_id)
+        return picks
+
+    fast.charge(200, 0)  # the measured worker is busy: the fresh one takes prompts beyond its first
+    picks = asyncio.run(place(3))
+    assert picks == ["prefill-2"] * 3 and fresh.prefill_tokens == 30
