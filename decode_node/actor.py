@@ -192,7 +192,7 @@ class DecodeActor(WorkerActorBase):
 
     def _step(self) -> list[DecodeEvent]:
         try:
-            return self.worker.step().events
+            return self.worker.step(publish=self._publish).events  # first tokens go out before the step
         except Exception as e:  # fail the batch rather than the worker
             logger.exception("decode step failed")
             return self.worker.fail_all(f"decode step failed: {e}").events

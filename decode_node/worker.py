@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ from kv_transfer import (
 )
 from kv_transfer.compression import CompressionPolicy, resolve_policy
 from kv_transfer.handoff import Handoff, check_mrope_delta, generator_from_state
+from node_common.events import DecodeEvent
 
 logger = logging.getLogger(__name__)
 
@@ -231,24 +233,39 @@ class DecodeWorker:
         return handoff
 
     def _transfer_stats(self, c: TransferClock, handoff: Handoff) -> dict:
+        """The committed request's transfer figures (the first token event's ``kv_transfer``): bytes, layers,
+        seconds (first -> last layer received), ``exposed_seconds`` (last layer received after prefill computed it),
+        ``commit_seconds`` (last layer received -> committed: the hand-off frame and this loop's turn; the first
+        token is published right after) and the prefill worker's ``prefill_stages`` (the hand-off's ``stages``)."""
+        now = time.time()
+        extra = {"state_bytes": c.state_bytes, "state_frames": c.state_frames, "prefill_stages": handoff.stages or {}}
         if c.first_s is None:
             return {"transport": self.manager.name, "bytes": 0, "layers": 0, "seconds": 0.0, "exposed_seconds": 0.0,
-                    "state_bytes": c.state_bytes, "state_frames": c.state_frames}
+                    "commit_seconds": 0.0, **extra}
         done = c.last_s if handoff.compute_done_s is None else handoff.compute_done_s
         # "bytes" counts KV only; hybrid models' GDN state moves apart ("state_bytes", always raw)
         return {"transport": self.manager.name, "bytes": c.nbytes, "layers": c.layers,
                 "seconds": c.last_s - c.first_s, "exposed_seconds": max(0.0, c.last_s - done),
-                "state_bytes": c.state_bytes, "state_frames": c.state_frames}
+                "commit_seconds": max(0.0, now - c.last_s), **extra}
 
-    def step(self) -> StepReport:
+    def step(self, publish: Callable[[list[DecodeEvent]], None] | None = None) -> StepReport:
+        """Commit finished transfers, then one engine step. With ``publish``, the commits' events (first tokens,
+        failed transfers) go to it before the step runs, so a first token does not wait for the running batch's
+        step; the returned report then has the step's events only."""
         report = StepReport()
         self.poll_transfers(report)
         self._fail_unrecomputable(report)  # an n > 1 commit may drop an image prompt it had no block to fork
+        if publish is not None and (report.outputs or report.failed):
+            publish(self._end_step(report).events)
+            report = StepReport()
         if self.engine.has_unfinished_requests():
             t0 = time.perf_counter()
             report.outputs.extend(self.engine.step())
             self.step_s += time.perf_counter() - t0
             self._fail_unrecomputable(report)
+        return self._end_step(report)
+
+    def _end_step(self, report: StepReport) -> StepReport:
         done = [o.request_id for o in report.outputs if o.finished]
         if self.tiers is not None and done:
             self.tiers.on_requests([], done)

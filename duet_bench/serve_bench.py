@@ -57,6 +57,7 @@ from duet_bench.serve_workload import (
     prompt_tokens,
     summarise,
 )
+from cluster.control.timeline import BREAKDOWN
 from cluster.report import fmt, format_table, ms, write_json
 
 RATES = (0.5, 1.0, 2.0, 4.0)
@@ -204,6 +205,17 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
     return rows, profiles
 
 
+def breakdown_table(rows: list[dict]) -> str:
+    """Per rate: the disaggregated requests' median TTFT, stage by stage (ms; medians, so they need not add up)."""
+    out = []
+    for r in rows:
+        b = r["disaggregated"].get("ttft_breakdown_p50")
+        if b is not None:
+            out.append([f"{r['rate']:g}/s", *(fmt(ms(b[k])) for k in BREAKDOWN)])
+    heads = [k.removesuffix("_s").replace("_", " ") for k in BREAKDOWN]
+    return format_table(["rate", *heads], out)
+
+
 def prefill_shares(before: list[dict], after: list[dict]) -> dict:
     """Between two ``cluster.status()`` snapshots: each prefill worker's share of the prompt tokens placed
     (``shares``) and the prefix-hit rate, as the workers counted it and as the router predicted it."""
@@ -310,6 +322,8 @@ def run(args: argparse.Namespace) -> int:
     rows, profiles = _with_ray(lambda: _measure(args, model_dir, rates, n))
     crit = criteria(rows, args.tpot_slo)
     print(serve_table(rows))
+    print("disaggregated TTFT p50 by stage, ms:")
+    print(breakdown_table(rows))
     if args.num_prefill > 1:
         print(prefill_table(rows))
     for r in rows:

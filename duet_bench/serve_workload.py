@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cluster.control.timeline import BREAKDOWN, RequestClock
+
 
 @dataclass(frozen=True)
 class Arrival:
@@ -84,7 +86,17 @@ def summarise(records: list[dict], *, ttft_slo: float, tpot_slo: float) -> dict:
             "ttft_s": percentiles([r["ttft_s"] for r in done]),
             "tpot_s": percentiles([r["tpot_s"] for r in done if r["tpot_s"] is not None]),
             "throughput_req_s": per_s(len(done)), "throughput_tok_s": per_s(sum(r["tokens"] for r in done)),
-            "goodput_req_s": per_s(len(good)), "slo_attainment": len(good) / len(records) if records else None}
+            "goodput_req_s": per_s(len(good)), "slo_attainment": len(good) / len(records) if records else None,
+            "ttft_breakdown_p50": breakdown_p50(done)}
+
+
+def breakdown_p50(records: list[dict]) -> dict[str, float] | None:
+    """The median of each TTFT stage over the records that have a ``ttft_breakdown`` (the cluster's; see
+    :mod:`cluster.control.timeline`), None when none has. Medians of stages do not add up to the median TTFT."""
+    rows = [r["ttft_breakdown"] for r in records if r.get("ttft_breakdown")]
+    if not rows:
+        return None
+    return {k: float(np.median([b.get(k, 0.0) for b in rows])) for k in BREAKDOWN}
 
 
 def sampling_params(a: Arrival):
@@ -118,9 +130,13 @@ def drive_colocated(llm, arrivals: list[Arrival], bar) -> list[dict]:
 async def _one_disagg(cluster, k: int, a: Arrival, t0: float, bar) -> dict:
     await asyncio.sleep(max(0.0, t0 + a.at_s - time.perf_counter()))
     start, first, last, n = t0 + a.at_s, None, None, 0
+    clock = RequestClock(arrival=time.monotonic() - (time.perf_counter() - start))  # the scheduled arrival
+    kv = None
     try:
         prepared = await asyncio.to_thread(cluster.prepare, a.prompt)
         async for d in cluster.stream(prepared, sampling_params(a), request_id=f"d{k}"):
+            clock.observe(d)
+            kv = d.kv_transfer or kv
             if d.token_ids:
                 last = time.perf_counter()
                 first, n = first or last, n + len(d.token_ids)
@@ -129,7 +145,8 @@ async def _one_disagg(cluster, k: int, a: Arrival, t0: float, bar) -> dict:
     finally:
         bar.update(1)
     return {"kind": a.kind, "ttft_s": first - start, "tpot_s": (last - first) / (n - 1) if n > 1 else None,
-            "tokens": n, "done_s": last - t0, "error": None}
+            "tokens": n, "done_s": last - t0, "error": None,
+            "ttft_breakdown": clock.timeline(kv)["ttft_breakdown"]}
 
 
 def drive_disagg(cluster, arrivals: list[Arrival], bar) -> list[dict]:

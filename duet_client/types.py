@@ -55,7 +55,10 @@ class Completion:
     ``timeline`` has ``queue_seconds, preprocess_seconds, prefill_seconds, decode_seconds, ttft_seconds,
     total_seconds, attempts, prefill_worker, decode_worker`` and ``kv_transfer`` (``transport, bytes, wire_bytes,
     layers, seconds, exposed_seconds``, and for hybrid models ``state_bytes, state_frames``: the GDN state moved
-    beside the KV); ``vision_encode_seconds`` only when the server reports it.
+    beside the KV); ``vision_encode_seconds`` only when the server reports it; ``ttft_breakdown``: the time to first
+    token in consecutive stages (``frontend_queue_seconds, decode_allocate_seconds, prefill_submit_seconds,
+    prefill_queue_seconds, vision_encode_seconds, prefill_compute_seconds, transfer_exposed_seconds,
+    decode_commit_seconds, first_token_streamed_seconds``; they add up to ``ttft_seconds``).
     """
 
     request_id: str

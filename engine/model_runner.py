@@ -8,6 +8,8 @@ decode mirror (:mod:`engine.decode_mirror`) and, for hybrid models, the GDN laye
 
 from __future__ import annotations
 
+import time
+
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -93,13 +95,20 @@ class ModelRunner:
         call per step encodes every distinct image not cached (Qwen3-VL images of any sizes together, each
         attending only within itself)."""
         todo: dict[bytes, tuple[Sequence, int]] = {}  # one encoding per distinct image, however often it appears
+        waiting: list[Sequence] = []  # the requests that wait for this step's tower call (its time is theirs)
         for seq in seqs:
             if seq.mm is not None and seq.mm.features is None:
                 for i, h in enumerate(seq.mm.image_hashes):
                     if h not in self.vision_cache and h not in todo:
                         todo[h] = (seq, i)
+                if any(h not in self.vision_cache for h in seq.mm.image_hashes):
+                    waiting.append(seq)
         if todo:
+            t0 = time.perf_counter()
             self._encode(todo)
+            spent = time.perf_counter() - t0
+            for seq in waiting:
+                seq.metrics.vision_s += spent
         for seq in seqs:
             if seq.mm is not None and seq.mm.features is None:
                 rows = [self.vision_cache[h] for h in seq.mm.image_hashes]

@@ -14,6 +14,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    vision_s: float = 0.0  # seconds of vision-tower calls that encoded this request's images (shared calls counted whole)
 
     @property
     def ttft_s(self) -> float | None:

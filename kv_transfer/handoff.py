@@ -16,10 +16,12 @@ commits the request. Fields:
   ``[token_id, logprob, [[id, logprob], ...]]`` (carried as it is: this layer never interprets it);
 * ``prompt_logprobs``: when asked, one entry per prompt token (``None`` for the first), each in that wire form;
 * ``choices``: an ``n > 1`` request's other first tokens, one map per choice 1..n-1: ``{"token", "generator_state"
-  (optional), "logprobs" (optional)}``; the decode side forks them onto the prompt's blocks.
+  (optional), "logprobs" (optional)}``; the decode side forks them onto the prompt's blocks;
+* ``stages``: where the prefill worker's time went, seconds on its own clock (the request's TTFT breakdown):
+  ``{"prefill_queue_s", "vision_encode_s", "prefill_compute_s"}`` (names this layer passes on without reading).
 
 Versions (``"v"``): 1 had no version field and no ``mrope_delta`` (parsed as delta 0, which an image prompt of an
-M-RoPE model then fails against); 2 adds both; 3 adds ``first_logprobs``, ``prompt_logprobs`` and ``choices`` (absent in 1 and 2). Any
+M-RoPE model then fails against); 2 adds both; 3 adds ``first_logprobs``, ``prompt_logprobs`` and ``choices`` (absent in 1 and 2); 4 adds ``stages`` (optional). Any
 other version is a :class:`~kv_transfer.base.ProtocolError`.
 """
 
@@ -33,7 +35,7 @@ import torch
 
 from kv_transfer.errors import ProtocolError
 
-HANDOFF_VERSION = 3
+HANDOFF_VERSION = 4
 LEGACY_VERSION = 1  # a meta map without "v"
 
 
@@ -51,6 +53,7 @@ class Handoff:
     first_logprobs: list | None = None
     prompt_logprobs: list | None = None
     choices: list[dict[str, Any]] = field(default_factory=list)
+    stages: dict[str, float] | None = None
     version: int = HANDOFF_VERSION  # of the message it was parsed from
 
     def to_meta(self) -> dict[str, Any]:
@@ -69,6 +72,8 @@ class Handoff:
             meta["prompt_logprobs"] = self.prompt_logprobs
         if self.choices:
             meta["choices"] = self.choices
+        if self.stages is not None:
+            meta["stages"] = {str(k): float(v) for k, v in self.stages.items()}
         return meta
 
     @classmethod
@@ -99,9 +104,15 @@ class Handoff:
             for name, v in (("first_logprobs", first_lp), ("prompt_logprobs", prompt_lp)):
                 if v is not None and not isinstance(v, list):
                     raise TypeError(f"{name} must be a list")
+            stages = meta.get("stages")
+            if stages is not None and not (isinstance(stages, dict) and all(
+                    isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    for k, v in stages.items())):
+                raise TypeError("stages must be a map of names to seconds")
             return cls(first_token=int(meta["first_token"]), mrope_delta=delta, expert_hist=meta.get("expert_hist"),
                        generator_state=state, compute_done_s=meta.get("compute_done_s"), first_logprobs=first_lp,
-                       prompt_logprobs=prompt_lp, choices=choices, version=version)
+                       prompt_logprobs=prompt_lp, choices=choices,
+                       stages=None if stages is None else {k: float(v) for k, v in stages.items()}, version=version)
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"malformed hand-off: {e!r}") from e
 

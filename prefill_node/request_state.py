@@ -7,6 +7,7 @@ request is kept beside it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ class PrefillRequest:
     seq: Sequence  # the engine's sequence (choice 0; the worker never forks)
     held: list[Callable[[], None]] = field(default_factory=list)  # KV / state sends held until the step ends
     compute_done_s: float | None = None  # wall time the last layer's KV was computed
+    compute_done_pc: float | None = None  # the same moment on the engine's clock (time.perf_counter: stages)
     visual: torch.Tensor | None = None  # [num_prompt_tokens] bool, image-token positions; see visual_mask
 
     def visual_mask(self, device: torch.device) -> torch.Tensor:
@@ -37,3 +39,13 @@ class PrefillRequest:
             if self.seq.mm is not None:
                 self.visual[torch.from_numpy(self.seq.mm.positions).to(device)] = True
         return self.visual
+
+    def stages(self) -> dict[str, float]:
+        """Where this worker's time went for the request, in seconds (the hand-off's ``stages``): submit -> first
+        scheduled (``prefill_queue_s``), the vision-tower calls it waited for (``vision_encode_s``), and the rest of
+        first scheduled -> last layer computed (``prefill_compute_s``)."""
+        m = self.seq.metrics
+        start = m.first_scheduled_time if m.first_scheduled_time is not None else m.arrival_time
+        done = self.compute_done_pc if self.compute_done_pc is not None else time.perf_counter()
+        return {"prefill_queue_s": max(0.0, start - m.arrival_time), "vision_encode_s": m.vision_s,
+                "prefill_compute_s": max(0.0, done - start - m.vision_s)}

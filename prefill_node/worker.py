@@ -113,7 +113,8 @@ class PrefillWorker:
             for send in req.held:
                 send()
             computed = time.time() if req.compute_done_s is None else req.compute_done_s
-            req.sender.finish(self._handoff(out.outputs[0].token_ids[0], req.seq, computed).to_meta())
+            handoff = self._handoff(out.outputs[0].token_ids[0], req.seq, computed)
+            req.sender.finish(dataclasses.replace(handoff, stages=req.stages()).to_meta())
             self._handed_off[rid] = req.sender  # until the decode side confirmed it (_sweep_handed_off)
             self._note_prefix(req.seq)
             if not out.finished:
@@ -165,7 +166,7 @@ class PrefillWorker:
                 ctx = None if self.compression is None else self._codec_context(seq, k, v)
                 send = functools.partial(req.sender.send_layer, runner.kv_index[layer], k, v, ctx)
             if last:
-                req.compute_done_s = time.time()
+                req.compute_done_s, req.compute_done_pc = time.time(), time.perf_counter()
             if self.stream_layers:
                 send()
             else:

@@ -16,11 +16,14 @@ from node_common.events import TokenEvent
 
 @dataclass(frozen=True)
 class WorkerPair:
-    """Where a request runs: ``accepted_at`` is ``time.monotonic()`` when its prefill worker took it."""
+    """Where a request runs, and when (``time.monotonic()``) its attempt got there: ``admitted_at`` admitted to
+    the prefill worker, ``allocated_at`` its decode lease granted, ``accepted_at`` the prefill worker took it."""
 
     accepted_at: float
     prefill_worker: str
     decode_worker: str
+    admitted_at: float | None = None
+    allocated_at: float | None = None
 
     def workers(self) -> dict[str, str]:
         """``{"prefill_worker": ..., "decode_worker": ...}`` (the timeline's worker fields)."""

@@ -284,6 +284,7 @@ class DisaggCluster:
         hashes = self.admission.block_hashes(p)
         pw, charge = await self.admission.admit(self.pool.open_prefills, len(p.token_ids), hashes, rid, deadline,
                                                 exclude_p)
+        admitted_at = time.monotonic()
         with Assignment(self.admission, pw, charge, hashes) as a:
             decode = a.bind(self.pool.pick_decode(blocks, exclude_d))  # after the wait: free blocks may have changed
             pair = {"prefill_worker": pw.worker_id, "decode_worker": decode.worker_id}
@@ -297,6 +298,7 @@ class DisaggCluster:
                     except Exception as e:  # noqa: BLE001 - sorted by _failed
                         raise _failed(e, "decode", decode, pair) from None
                     decode.load.free_blocks = reply["free_blocks"]
+                    allocated_at = time.monotonic()
                     try:
                         to_prefill = messages.pack(**body, prompt=wire["prefill"], lease=reply["lease"])
                         a.submitted(self._apply_report(pw, messages.unpack(await call(pw.actor.submit, to_prefill,
@@ -305,7 +307,8 @@ class DisaggCluster:
                         if decode.alive:
                             decode.actor.abort.remote(rid)
                         raise _failed(e, "prefill", pw, pair) from None
-                    placement: WorkerPair | None = WorkerPair(time.monotonic(), **pair)
+                    placement: WorkerPair | None = WorkerPair(time.monotonic(), **pair, admitted_at=admitted_at,
+                                                              allocated_at=allocated_at)
                     while True:
                         ev = await self.streams.next(inbox, rid, deadline, gone=lambda: a.prefill_gone())
                         if isinstance(ev, RequestFailed):  # decode dropped it, or its prefill worker died first

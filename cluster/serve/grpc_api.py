@@ -74,10 +74,13 @@ def request_from_proto(req: pb.GenerateRequest) -> GenerateInput:
 def final_to_proto(ev: FinalEvent) -> pb.GenerateFinal:
     t, kv = ev.timeline, ev.timeline.get("kv_transfer") or {}
     timeline = pb.Timeline(
+        vision_encode_seconds=float(t.get("vision_encode_s", 0.0)),
         queue_seconds=t["queue_s"], preprocess_seconds=t["preprocess_s"], prefill_seconds=t["prefill_s"],
         decode_seconds=t["decode_s"], ttft_seconds=t["ttft_s"], total_seconds=t["total_s"],
         attempts=t["attempts"], prefill_worker=t.get("prefill_worker", ""),
         decode_worker=t.get("decode_worker", ""),
+        ttft_breakdown=pb.TtftBreakdown(**{k[:-2] + "_seconds": float(v)
+                                           for k, v in (t.get("ttft_breakdown") or {}).items()}),
         kv_transfer=pb.KVTransfer(transport=kv.get("transport", ""), bytes=int(kv.get("bytes", 0)),
                                   wire_bytes=int(kv.get("wire_bytes", kv.get("bytes", 0))),
                                   layers=int(kv.get("layers", 0)), seconds=float(kv.get("seconds", 0.0)),

@@ -262,6 +262,8 @@ def test_vision_cache_encodes_a_repeated_image_once(hf_dir):
         hook.remove()
     assert calls == [1], "one encoding for the image, however often it appears"
     assert len(first.outputs[0].token_ids) == len(again.outputs[0].token_ids) == 2
+    # the tower's time is the request's that waited for it (its TTFT breakdown), none for a cached image
+    assert 0 < first.metrics.vision_s < first.metrics.ttft_s and again.metrics.vision_s == 0
     assert_no_leaked_blocks(llm)
 
 

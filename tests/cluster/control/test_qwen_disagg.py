@@ -166,12 +166,15 @@ def test_handoff_carries_the_mrope_delta(qwen_dir, prompts, monkeypatch):
 
 
 def test_handoff_versions():
-    h = Handoff(7, mrope_delta=-5, expert_hist=[[1, 0]], generator_state=b"\x01", compute_done_s=1.5)
+    h = Handoff(7, mrope_delta=-5, expert_hist=[[1, 0]], generator_state=b"\x01", compute_done_s=1.5,
+                stages={"prefill_queue_s": 0.5, "prefill_compute_s": 1})
     assert Handoff.from_meta(h.to_meta()) == h
+    v3 = Handoff.from_meta({"v": 3, "first_token": 7})  # before stages: none
+    assert (v3.version, v3.stages) == (3, None)
     legacy = Handoff.from_meta({"first_token": 7, "expert_hist": [[1, 0]]})  # version 1: no "v", no delta
     assert (legacy.version, legacy.mrope_delta, legacy.expert_hist) == (1, 0, [[1, 0]])
     for bad in ({"v": HANDOFF_VERSION + 1, "first_token": 1}, {"v": 2}, {"v": 2, "first_token": 1, "mrope_delta": "x"},
-                None):
+                {"v": 4, "first_token": 1, "stages": {"prefill_queue_s": "slow"}}, None):
         with pytest.raises(ProtocolError):
             Handoff.from_meta(bad)
 

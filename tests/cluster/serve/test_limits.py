@@ -121,9 +121,39 @@ def test_request_timeline_worked_example():
     clock.observe(Delta("r", 0, [7], placement=WorkerPair(10.2, "p0", "d0")), now=10.9)
     clock.observe(Delta("r", 0, [8], finished=True), now=11.5)
     t = clock.timeline({"exposed_seconds": 0.1}, attempts=1)
-    assert t == pytest.approx({"queue_s": 0.2, "preprocess_s": 0.05, "prefill_s": 0.6, "decode_s": 0.6,
-                               "ttft_s": 0.9, "total_s": 1.5, "attempts": 1, "prefill_worker": "p0",
+    breakdown = t.pop("ttft_breakdown")
+    assert t == pytest.approx({"queue_s": 0.2, "preprocess_s": 0.05, "prefill_s": 0.6, "vision_encode_s": 0.0,
+                               "decode_s": 0.6, "ttft_s": 0.9, "total_s": 1.5, "attempts": 1, "prefill_worker": "p0",
                                "decode_worker": "d0"})
+    # no stages reported (and no admission times): what prefill did is in the rest
+    assert breakdown["frontend_queue_s"] == pytest.approx(0.2) and breakdown["transfer_exposed_s"] == 0.1
+    assert breakdown["first_token_streamed_s"] == pytest.approx(0.6)
+
+
+def test_ttft_breakdown_worked_example():
+    """The module docstring's example: the stages add up to the TTFT, in order."""
+    from cluster.control.delta import Delta, WorkerPair
+    from cluster.control.timeline import BREAKDOWN
+
+    clock = RequestClock(arrival=10.0)
+    pair = WorkerPair(10.2, "p0", "d0", admitted_at=10.05, allocated_at=10.07)
+    clock.observe(Delta("r", 0, [7], placement=pair), now=10.9)
+    clock.observe(Delta("r", 0, [8], finished=True), now=11.5)
+    kv = {"exposed_seconds": 0.1, "commit_seconds": 0.05,
+          "prefill_stages": {"prefill_queue_s": 0.1, "vision_encode_s": 0.2, "prefill_compute_s": 0.25}}
+    t = clock.timeline(kv)
+    assert list(t["ttft_breakdown"]) == list(BREAKDOWN)
+    assert list(t["ttft_breakdown"].values()) == pytest.approx([0.05, 0.02, 0.13, 0.1, 0.2, 0.25, 0.1, 0.05, 0.0],
+                                                               abs=1e-9)
+    assert sum(t["ttft_breakdown"].values()) == pytest.approx(t["ttft_s"]) and t["vision_encode_s"] == 0.2
+    # the submit reply overlapping the prefill stages: the overlap comes off the submit, the sum still adds up
+    kv["prefill_stages"]["prefill_compute_s"] = 0.3
+    b = clock.timeline(kv)["ttft_breakdown"]
+    assert b["prefill_submit_s"] == pytest.approx(0.08) and sum(b.values()) == pytest.approx(0.9)
+    # clocks that disagree beyond that (stages longer than the front-end saw) never give a negative stage
+    kv["prefill_stages"]["prefill_compute_s"] = 5.0
+    b = clock.timeline(kv)["ttft_breakdown"]
+    assert b["first_token_streamed_s"] == 0.0 == b["prefill_submit_s"] and min(b.values()) >= 0
 
 
 def test_config_overrides_and_loopback():

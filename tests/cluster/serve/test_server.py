@@ -91,7 +91,10 @@ def test_sdk_streams_the_demo_answer_with_usage_and_timeline(client, serve_clust
     assert t["kv_transfer"]["transport"] == "gloo" and t["kv_transfer"]["bytes"] > 0 and t["kv_transfer"]["layers"] == 4
     assert t["prefill_worker"] == "prefill-0" and t["decode_worker"] == "decode-0" and t["attempts"] == 1
     assert 0 < t["ttft_seconds"] <= t["total_seconds"] and t["queue_seconds"] >= t["preprocess_seconds"] > 0
-    assert "vision_encode_seconds" not in t  # not reported by the workers yet
+    b = t["ttft_breakdown"]  # the stages add up to the TTFT; each RPC and the prefill compute take some time
+    assert sum(b.values()) == pytest.approx(t["ttft_seconds"], abs=1e-6)
+    assert min(b["decode_allocate_seconds"], b["prefill_compute_seconds"], b["decode_commit_seconds"]) > 0
+    assert t["vision_encode_seconds"] == b["vision_encode_seconds"] >= 0  # 0 when the image was encoded before
     _assert_no_leaks(serve_cluster)
 
 

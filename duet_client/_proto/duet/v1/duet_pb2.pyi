@@ -184,7 +184,7 @@ class KVTransfer(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., layers: _Optional[int] = ..., seconds: _Optional[float] = ..., exposed_seconds: _Optional[float] = ..., state_bytes: _Optional[int] = ..., state_frames: _Optional[int] = ...) -> None: ...
 
 class Timeline(_message.Message):
-    __slots__ = ("queue_seconds", "preprocess_seconds", "vision_encode_seconds", "prefill_seconds", "kv_transfer", "decode_seconds", "ttft_seconds", "total_seconds", "attempts", "prefill_worker", "decode_worker")
+    __slots__ = ("queue_seconds", "preprocess_seconds", "vision_encode_seconds", "prefill_seconds", "kv_transfer", "decode_seconds", "ttft_seconds", "total_seconds", "attempts", "prefill_worker", "decode_worker", "ttft_breakdown")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREPROCESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VISION_ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,7 @@ class Timeline(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    TTFT_BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
     queue_seconds: float
     preprocess_seconds: float
     vision_encode_seconds: float
@@ -207,7 +208,30 @@ class Timeline(_message.Message):
     attempts: int
     prefill_worker: str
     decode_worker: str
-    def __init__(self, queue_seconds: _Optional[float] = ..., preprocess_seconds: _Optional[float] = ..., vision_encode_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., decode_seconds: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., attempts: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    ttft_breakdown: TtftBreakdown
+    def __init__(self, queue_seconds: _Optional[float] = ..., preprocess_seconds: _Optional[float] = ..., vision_encode_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., decode_seconds: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., attempts: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., ttft_breakdown: _Optional[_Union[TtftBreakdown, _Mapping]] = ...) -> None: ...
+
+class TtftBreakdown(_message.Message):
+    __slots__ = ("frontend_queue_seconds", "decode_allocate_seconds", "prefill_submit_seconds", "prefill_queue_seconds", "vision_encode_seconds", "prefill_compute_seconds", "transfer_exposed_seconds", "decode_commit_seconds", "first_token_streamed_seconds")
+    FRONTEND_QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ALLOCATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SUBMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VISION_ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_EXPOSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_COMMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_STREAMED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    frontend_queue_seconds: float
+    decode_allocate_seconds: float
+    prefill_submit_seconds: float
+    prefill_queue_seconds: float
+    vision_encode_seconds: float
+    prefill_compute_seconds: float
+    transfer_exposed_seconds: float
+    decode_commit_seconds: float
+    first_token_streamed_seconds: float
+    def __init__(self, frontend_queue_seconds: _Optional[float] = ..., decode_allocate_seconds: _Optional[float] = ..., prefill_submit_seconds: _Optional[float] = ..., prefill_queue_seconds: _Optional[float] = ..., vision_encode_seconds: _Optional[float] = ..., prefill_compute_seconds: _Optional[float] = ..., transfer_exposed_seconds: _Optional[float] = ..., decode_commit_seconds: _Optional[float] = ..., first_token_streamed_seconds: _Optional[float] = ...) -> None: ...
 
 class ChoiceFinal(_message.Message):
     __slots__ = ("index", "finish_reason", "stop", "completion_tokens")
