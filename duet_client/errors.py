@@ -38,7 +38,8 @@ class Unauthenticated(DuetClientError):
 
 
 class ResourceExhausted(DuetClientError):
-    """The server is at its concurrency cap or out of KV space; retry after ``retry_after_s`` seconds."""
+    """The server is at its concurrency cap, out of KV space, or its prefill workers have more queued than they could
+    finish before this request's timeout; retry after ``retry_after_s`` seconds."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -7,7 +7,9 @@ front-end's event loop):
 1. :meth:`PrefillAdmission.admit` -- wait until a prefill worker has room for the prompt, then charge it the prompt's
    uncached tokens (:func:`cluster.control.router.pick_prefill`: least expected time to first token, the prefix its
    cache holds free). Requests queue here, not in a prefill worker's queue: a lease's deadline runs from its
-   allocation, so no decode blocks are reserved before admission.
+   allocation, so no decode blocks are reserved before admission. A prompt that would wait is first refused at
+   once (:class:`~cluster.control.errors.PrefillOverloadedError`, with a retry hint) when the pool could not get to
+   it before its deadline (:meth:`PrefillAdmission.check_reachable`; ``ClusterSpec.refuse_when_overloaded``).
 2. :func:`pick_decode_worker` -- the live decode worker with most free blocks (after the admission wait: free blocks
    may have changed while it waited).
 3. :meth:`PrefillAdmission.release` at the first token or the attempt's end, whichever comes first (the charge given
@@ -26,10 +28,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from cluster.control.errors import RequestTimeoutError, TransferFailedError
-from cluster.control.router import PrefillLoad, cached_prefix_tokens, pick_decode, pick_prefill
+from cluster.control.errors import PrefillOverloadedError, RequestTimeoutError, TransferFailedError
+from cluster.control.router import (
+    PrefillLoad,
+    cached_prefix_tokens,
+    pick_decode,
+    pick_prefill,
+    projected_wait_ttft_s,
+)
 from cluster.control.spec import ClusterSpec
 from cluster.control.worker import Worker
 from engine import SamplingParams
@@ -39,6 +48,17 @@ from node_common import messages
 
 PREFIX_REPORT_S = 1.0  # how often each prefill worker is asked for its prefix-cache changes (evictions included)
 PREFILL_QUEUE_LEASE_FRACTION = 0.5  # a prefill worker's admitted work, in measured seconds, vs lease_base_s
+# a refused request's retry hint: at least 1 s (HTTP's Retry-After counts whole seconds), at most a minute (a longer
+# projection is mostly a burst that will have changed by then)
+REFUSAL_RETRY_MIN_S, REFUSAL_RETRY_MAX_S = 1.0, 60.0
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A request waiting at the front-end for prefill room: woken by :meth:`PrefillAdmission.release`."""
+
+    woken: asyncio.Future
+    tokens: int  # its prompt tokens: work ahead of every request that comes to wait after it
 
 
 class PrefillAdmission:
@@ -51,14 +71,20 @@ class PrefillAdmission:
         self._request_timeout_s = spec.request_timeout_s
         self._static_cap = spec.max_prefill_queue_tokens or 4 * spec.max_num_batched_tokens
         self._adaptive_cap = spec.max_prefill_queue_tokens is None  # default: also bounded by measured time
-        self._room_waiters: list[asyncio.Future] = []  # requests waiting for prefill room
+        self._refuse_when_overloaded = spec.refuse_when_overloaded
+        self._room_waiters: list[_Waiter] = []  # requests waiting for prefill room, in arrival order
 
     async def admit(self, live: Callable[[], list[Worker]], n_prompt: int, hashes: list[bytes], rid: str,
                     deadline: float, exclude: frozenset[str]) -> tuple[Worker, int]:
         """Place the prompt on a prefill worker once one has room for it. ``live()`` gives the workers that take
         requests now (asked again after every wait); those in ``exclude`` (tried already) are used only when no
         other is live. A prompt larger than a worker's cap is admitted to it alone. Returns the worker and the
-        tokens charged to it (give them back with :meth:`release`)."""
+        tokens charged to it (give them back with :meth:`release`).
+
+        Before each wait for room, :meth:`check_reachable` may refuse the prompt at once
+        (:class:`~cluster.control.errors.PrefillOverloadedError`); a wait that reaches ``deadline`` raises
+        :class:`~cluster.control.errors.RequestTimeoutError`. Either way nothing is charged and the request leaves
+        no waiter behind."""
         loop = asyncio.get_running_loop()
         while True:
             workers = live()
@@ -66,18 +92,46 @@ class PrefillAdmission:
             if not pool:
                 raise TransferFailedError("no live prefill worker")
             unmeasured_s = max((w.s_per_token for w in workers if w.s_per_token is not None), default=None)
-            pick = pick_prefill([self.load_of(w, n_prompt, hashes, unmeasured_s) for w in pool], n_prompt)
+            loads = [self.load_of(w, n_prompt, hashes, unmeasured_s) for w in pool]
+            pick = pick_prefill(loads, n_prompt)
             if pick is not None:
                 break
-            fut = loop.create_future()
-            self._room_waiters.append(fut)
+            self.check_reachable(loads, n_prompt, rid, deadline)
+            waiter = _Waiter(loop.create_future(), n_prompt)
+            self._room_waiters.append(waiter)
             try:
-                await asyncio.wait_for(fut, timeout=max(0.0, deadline - time.monotonic()))
+                await asyncio.wait_for(waiter.woken, timeout=max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 raise RequestTimeoutError(f"request {rid} waited {self._request_timeout_s:.0f} s for prefill "
                                           f"capacity") from None
+            finally:  # gone (timed out, cancelled) before a release woke it: no longer work ahead of anyone
+                if waiter in self._room_waiters:
+                    self._room_waiters.remove(waiter)
         pw = next(w for w in pool if w.worker_id == pick.worker_id)
         return pw, pw.charge(n_prompt, pick.cached_tokens)
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Prompt tokens of the requests waiting for room now."""
+        return sum(w.tokens for w in self._room_waiters)
+
+    def check_reachable(self, loads: list[PrefillLoad], n_prompt: int, rid: str, deadline: float) -> None:
+        """Raise :class:`~cluster.control.errors.PrefillOverloadedError` when a prompt of ``n_prompt`` tokens about
+        to wait for room on ``loads`` (none has any) would get its first token after ``deadline``
+        (:func:`~cluster.control.router.projected_wait_ttft_s`, with the prompts already waiting ahead of it). No
+        refusal when ``refuse_when_overloaded`` is off or no worker is measured. The retry hint is the projected
+        wait beyond what the request could wait, within ``[REFUSAL_RETRY_MIN_S, REFUSAL_RETRY_MAX_S]``: by then
+        the pool should have drained what stood in its way, if no more came."""
+        if not self._refuse_when_overloaded:
+            return
+        ttft_s = projected_wait_ttft_s(loads, n_prompt, self.waiting_tokens)
+        left_s = deadline - time.monotonic()
+        if ttft_s is None or ttft_s <= left_s:
+            return
+        retry_s = min(REFUSAL_RETRY_MAX_S, max(REFUSAL_RETRY_MIN_S, ttft_s - left_s))
+        raise PrefillOverloadedError(f"request {rid}: the prefill workers would get to its first token in about "
+                                     f"{ttft_s:.1f} s, past its timeout ({max(0.0, left_s):.1f} s left); retry in "
+                                     f"{retry_s:.0f} s", retry_after_s=retry_s)
 
     async def reports(self, live: Callable[[], list[Worker]], apply: Callable[[Worker, dict], Any], *,
                       timeout_s: float = 10.0) -> None:
@@ -132,9 +186,9 @@ class PrefillAdmission:
         it, once per admission)."""
         pw.discharge(tokens)
         waiters, self._room_waiters = self._room_waiters, []
-        for f in waiters:
-            if not f.done():
-                f.set_result(None)
+        for w in waiters:
+            if not w.woken.done():
+                w.woken.set_result(None)
 
 
 def apply_prefix_report(w: Worker, report: dict) -> int:

@@ -19,6 +19,21 @@ class RequestTimeoutError(DuetError):
     code = "request_timeout"
 
 
+class PrefillOverloadedError(DuetError):
+    """Refused before waiting for prefill room: the prefill pool's queued work (admitted and waiting at the
+    front-end) would bring the request's first token after its deadline
+    (:meth:`~cluster.control.admission.PrefillAdmission.check_reachable`). Nothing was reserved or charged. Not
+    ``retryable`` by the cluster -- another pair draws on the same pool -- but the client may send it again after
+    ``retry_after_s`` seconds (the projected wait beyond what the request could wait; 1 s when rebuilt from the wire,
+    which carries only the message)."""
+
+    code = "prefill_overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class DecodeInterruptedError(DuetError):
     """The request failed on its decode worker (it died, or its step or expert-parallel group failed) after tokens
     had been streamed to the caller. The cluster does not retry it itself -- a retry would send those tokens again --

@@ -21,6 +21,9 @@ Worked example (block size 4, a 40-token prompt whose first 6 blocks = 24 tokens
     prefill-1: queued 100, 0.012 s/token, cached 24  -> (100 + 40 - 24) * 0.012 = 1.39 s   <- picked
     prefill-2: queued   0, unmeasured (mean 0.011),  no room under its cap        -> skipped
 
+**Refusal** (:func:`projected_wait_ttft_s`): when no worker has room, the admission projects the prompt's time to
+first token over the whole pool, and refuses it at once when that is past its deadline.
+
 **Decode** (:func:`pick_decode`): most free KV blocks among those that can hold the request.
 """
 
@@ -60,17 +63,51 @@ def expected_prefill_s(load: PrefillLoad, prompt_tokens: int, s_per_token: float
     return (load.queued_tokens + prompt_tokens - load.cached_tokens) * s_per_token
 
 
-def pick_prefill(loads: Sequence[PrefillLoad], prompt_tokens: int) -> PrefillLoad | None:
-    """The worker with room whose expected time to first token is least (see the module docstring), or None when
-    none has room (the caller waits for room, then asks again)."""
+def placement_speeds(loads: Sequence[PrefillLoad]) -> list[float]:
+    """Each worker's seconds per token as placement counts them (see the module docstring): measured, or the mean of
+    the measured ones (1.0 when none is), and at most ``MAX_SPEED_SPREAD`` times the fastest's."""
     measured = [w.s_per_token for w in loads if w.s_per_token is not None]
     default = sum(measured) / len(measured) if measured else 1.0
     slowest = MAX_SPEED_SPREAD * min(measured, default=default)
-    open_ = [w for w in loads if w.has_room]
+    return [min(w.s_per_token or default, slowest) for w in loads]
+
+
+def pick_prefill(loads: Sequence[PrefillLoad], prompt_tokens: int) -> PrefillLoad | None:
+    """The worker with room whose expected time to first token is least (see the module docstring), or None when
+    none has room (the caller waits for room, then asks again)."""
+    open_ = [(w, s) for w, s in zip(loads, placement_speeds(loads), strict=True) if w.has_room]
     if not open_:
         return None
-    return min(open_, key=lambda w: (expected_prefill_s(w, prompt_tokens, min(w.s_per_token or default, slowest)),
-                                     w.queued_tokens, w.worker_id))
+    return min(open_, key=lambda ws: (expected_prefill_s(ws[0], prompt_tokens, ws[1]), ws[0].queued_tokens,
+                                      ws[0].worker_id))[0]
+
+
+def projected_wait_ttft_s(loads: Sequence[PrefillLoad], prompt_tokens: int, waiting_tokens: int) -> float | None:
+    """Seconds until a prompt that has to wait for room (none of ``loads`` has any) gets its first token, or None
+    when no worker is measured (no basis for a guess). The pool is seen as one queue that its workers drain
+    together: everything ahead of the prompt -- the tokens admitted to the workers and ``waiting_tokens`` of the
+    prompts waiting at the front-end before it -- and then its own uncached tokens (the best cached prefix in the
+    pool), over the pool's speed, the sum of its workers' tokens per second (:func:`placement_speeds`)::
+
+        ttft_s = (sum(queued_tokens) + waiting_tokens + prompt_tokens - max(cached_tokens)) / sum(1 / s_per_token)
+
+    On one worker this is its expected time to first token once admitted, as if it had no cap: the wait for room
+    (the queue beyond the cap drained) plus its prefill behind a full queue. It assumes perfect balance and no
+    newer, cheaper prompt overtaking, so it errs on the short side.
+
+    Worked example (a 150-token prompt, nothing cached, 300 tokens of prompts waiting before it)::
+
+        prefill-0: queued 300, 0.010 s/token -> 100 tokens/s
+        prefill-1: queued 150, 0.020 s/token ->  50 tokens/s
+        ttft_s = (300 + 150 + 300 + 150) / (100 + 50) = 6.0 s
+
+    A request with 5 s left to its deadline is refused (retry in about 1 s); one with 10 s left waits.
+    """
+    if all(w.s_per_token is None for w in loads):
+        return None
+    own = prompt_tokens - max(w.cached_tokens for w in loads)
+    ahead = sum(w.queued_tokens for w in loads) + waiting_tokens
+    return (ahead + own) / sum(1 / s for s in placement_speeds(loads))
 
 
 def cached_prefix_tokens(held: PrefixIndex, block_hashes: Sequence[bytes], block_size: int) -> int:

@@ -56,6 +56,10 @@ class ClusterSpec:
     # prompt tokens a prefill worker may have between decode allocation and first token; more requests wait at the
     # front-end, not holding a lease whose deadline runs (None: 4 x max_num_batched_tokens)
     max_prefill_queue_tokens: int | None = None
+    # a request that would wait for that room is refused at once (429 / RESOURCE_EXHAUSTED with a retry hint) when
+    # the prefill pool's queued work, at the workers' measured speeds, would bring its first token after its
+    # deadline (cluster.control.admission); False: it waits and times out instead
+    refuse_when_overloaded: bool = True
     kv_compression: str | dict | None = "none"  # a policy name, JSON or dict (kv_transfer.compression)
     # expert parallelism: decode workers form groups of this size that share the experts (1: every decode worker
     # holds all experts); each worker has expert_slots_per_worker slots per MoE layer (None: ceil(experts / size))
@@ -92,6 +96,9 @@ class ClusterSpec:
             raise InvalidRequestError("prefill_max_batched_tokens must be >= 1 (or None)")
         if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens < 1:
             raise InvalidRequestError("max_prefill_queue_tokens must be >= 1 (or None)")
+        if not isinstance(self.refuse_when_overloaded, bool):
+            raise InvalidRequestError(f"refuse_when_overloaded must be true or false, got "
+                                      f"{self.refuse_when_overloaded!r}")
         for name in ("prefill_threads", "decode_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1 (or None)")

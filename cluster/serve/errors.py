@@ -9,7 +9,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from cluster.control.errors import DecodeInterruptedError, RequestTimeoutError, TransferFailedError
+from cluster.control.errors import (
+    DecodeInterruptedError,
+    PrefillOverloadedError,
+    RequestTimeoutError,
+    TransferFailedError,
+)
 from cluster.serve.limits import Overloaded
 from engine.errors import DuetError, InvalidRequestError, OutOfBlocksError, RequestAbortedError, is_retryable
 
@@ -34,7 +39,7 @@ class ErrorInfo:
     openai_code: str | None
     outcome: str  # metric label
     message: str
-    retry_after_s: float | None = None
+    retry_after_s: float | None = None  # a refusal's hint: HTTP Retry-After, gRPC retry-after-ms trailing metadata
 
 
 def classify(e: BaseException) -> ErrorInfo:
@@ -47,6 +52,9 @@ def classify(e: BaseException) -> ErrorInfo:
         return ErrorInfo(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", None, "invalid", msg)
     if isinstance(e, Overloaded):
         return ErrorInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "rate_limit_exceeded",
+                         "overloaded", msg, e.retry_after_s)
+    if isinstance(e, PrefillOverloadedError):  # refused before waiting: the prefill pool would not reach it in time
+        return ErrorInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", PrefillOverloadedError.code,
                          "overloaded", msg, e.retry_after_s)
     if isinstance(e, OutOfBlocksError):
         return ErrorInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "out_of_kv_blocks",

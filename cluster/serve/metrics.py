@@ -1,8 +1,10 @@
 """Prometheus metrics of the serving front-end (one registry per server, served at ``/metrics``).
 
 Request outcomes are counted per API (``grpc``, ``http``) and outcome (``ok``, ``invalid``, ``unauthenticated``,
-``overloaded``, ``unavailable``, ``timeout``, ``cancelled``, ``aborted``, ``error``); latencies are histograms
-from the request timeline; KV blocks and in-flight requests are read when scraped.
+``overloaded``, ``unavailable``, ``timeout``, ``cancelled``, ``aborted``, ``error``), and requests refused up front
+(429 / RESOURCE_EXHAUSTED, :meth:`Metrics.observe_error`) also by reason (``rate_limit_exceeded``: the concurrency
+cap, ``out_of_kv_blocks``, ``prefill_overloaded``: the prefill pool would not reach it before its timeout); latencies
+are histograms from the request timeline; KV blocks and in-flight requests are read when scraped.
 
 Where each family comes from:
 
@@ -27,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -40,6 +42,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cluster.control import cluster_ops
+
+if TYPE_CHECKING:
+    from cluster.serve.errors import ErrorInfo
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,8 @@ class Metrics:
         r = self.registry
         self.requests = Counter("duet_requests", "Generate requests by API and outcome", ["api", "outcome"],
                                 registry=r)
+        self.refused = Counter("duet_requests_refused", "Requests refused up front (429 / RESOURCE_EXHAUSTED) by "
+                               "reason", ["reason"], registry=r)
         self.prompt_tokens = Counter("duet_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("duet_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("duet_time_to_first_token_seconds", "Arrival to first token", registry=r,
@@ -113,6 +120,12 @@ class Metrics:
         """One autoscaling decision that added (``delta > 0``) or drained (``< 0``) workers of ``pool``."""
         if delta:
             self.decisions.labels(pool, "up" if delta > 0 else "down").inc()
+
+    def observe_error(self, info: ErrorInfo) -> None:
+        """A failed request's report (:func:`cluster.serve.errors.classify`): a refusal (429) counts under its
+        reason, the report's code."""
+        if info.http_status == 429:
+            self.refused.labels(info.openai_code or info.outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

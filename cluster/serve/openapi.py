@@ -165,7 +165,9 @@ def _error_schema() -> dict[str, Any]:
 
 def _errors(*statuses: int) -> dict[str, Any]:
     why = {400: "invalid request (the message names the field)", 401: "missing or wrong bearer token",
-           413: "body over the server's size limit", 429: "over the concurrency cap or out of KV blocks (Retry-After)",
+           413: "body over the server's size limit",
+           429: "over the concurrency cap, out of KV blocks, or the prefill workers could not reach the request "
+                "before its timeout (Retry-After)",
            503: "draining or no live worker", 504: "the request timed out"}
     ref = {"content": {_JSON: {"schema": {"$ref": "#/components/schemas/Error"}}}}
     return {str(s): {"description": why[s], **ref} for s in statuses}

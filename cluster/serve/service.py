@@ -127,7 +127,7 @@ class InferenceService:
                 raise ServerDrainingError("server is shutting down and takes no new requests")
             self.admission.enter()
         except DuetError as e:
-            self.metrics.requests.labels(api, classify(e).outcome).inc()
+            self.metrics.requests.labels(api, self._failed(e)).inc()
             raise
         rid = req.request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
@@ -158,7 +158,7 @@ class InferenceService:
             outcome = "cancelled"
             raise
         except Exception as e:
-            outcome = classify(e).outcome
+            outcome = self._failed(e)
             raise
         finally:
             if pump is not None:
@@ -169,6 +169,12 @@ class InferenceService:
                 self._running.pop(rid, None)
             self.admission.leave()
             self.metrics.requests.labels(api, outcome).inc()
+
+    def _failed(self, e: BaseException) -> str:
+        """The metric outcome of a request that failed with ``e`` (a refusal also counts under its reason)."""
+        info = classify(e)
+        self.metrics.observe_error(info)
+        return info.outcome
 
     async def _pump(self, prepared: Any, params: SamplingParams, cluster_rid: str, queue: asyncio.Queue) -> None:
         try:

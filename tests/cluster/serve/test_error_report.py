@@ -31,3 +31,45 @@ def test_an_aborted_http_reply_is_an_error_not_a_natural_stop():
     info = classify(e.value)
     assert (info.grpc_code, info.http_status, info.openai_code) == (grpc.StatusCode.UNAVAILABLE, 503,
                                                                      "request_aborted")
+
+
+def test_a_prefill_refusal_is_429_with_retry_after_resource_exhausted_with_the_hint_and_counted():
+    """:class:`PrefillOverloadedError` end to end without a server: HTTP 429 with ``Retry-After`` (whole seconds, at
+    least 1) and code prefill_overloaded; gRPC RESOURCE_EXHAUSTED with ``retry-after-ms``, which the client SDK
+    turns into :class:`ResourceExhausted` with ``retry_after_s``; one ``duet_requests_refused_total`` by reason (a
+    timeout is not a refusal)."""
+    import asyncio
+    import json
+
+    from cluster.control.errors import PrefillOverloadedError, RequestTimeoutError
+    from cluster.serve.grpc_api import _abort_with
+    from cluster.serve.metrics import Metrics
+    from cluster.serve.openai_api import error_response
+    from duet_client.errors import ResourceExhausted, from_status
+
+    e = PrefillOverloadedError("request r: the prefill workers would get to its first token in about 9.0 s",
+                               retry_after_s=2.6)
+    info = classify(e)
+    assert (info.grpc_code, info.http_status, info.openai_code, info.retry_after_s) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "prefill_overloaded", 2.6)
+
+    r = error_response(e)
+    assert (r.status, r.headers["Retry-After"]) == (429, "3")
+    assert json.loads(r.body)["error"] == {"message": str(e), "type": "rate_limit_error", "param": None,
+                                           "code": "prefill_overloaded"}
+
+    aborted: list[tuple] = []
+
+    class _Context:
+        async def abort(self, code, details, trailing_metadata=()):
+            aborted.append((code, details, trailing_metadata))
+
+    asyncio.run(_abort_with(_Context(), e))
+    got = from_status(*aborted[0])
+    assert isinstance(got, ResourceExhausted) and got.retry_after_s == 2.6 and "9.0 s" in got.details
+
+    m = Metrics(lambda: [], lambda: 0)
+    m.observe_error(info)
+    m.observe_error(classify(RequestTimeoutError("late")))
+    refused = [ln for ln in m.render().decode().splitlines() if ln.startswith("duet_requests_refused_total")]
+    assert refused == ['duet_requests_refused_total{reason="prefill_overloaded"} 1.0']

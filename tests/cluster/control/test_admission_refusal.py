@@ -1,0 +1,130 @@
+"""Refusal up front (:meth:`cluster.control.admission.PrefillAdmission.check_reachable`): a request whose projected
+time to first token is past its deadline is refused at once with a retry hint, instead of waiting out its timeout.
+Pure, no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.control.admission import REFUSAL_RETRY_MAX_S, REFUSAL_RETRY_MIN_S, PrefillAdmission
+from cluster.control.errors import PrefillOverloadedError, RequestTimeoutError
+from cluster.control.router import PrefillLoad, WorkerLoad, projected_wait_ttft_s
+from cluster.control.spec import ClusterSpec
+from cluster.control.worker import Worker
+from engine.errors import InvalidRequestError, is_retryable
+
+
+def _admission(model_dir, **kw) -> PrefillAdmission:
+    # lease_base_s 2: a measured worker's cap is 0.5 * 2 / s_per_token tokens (100 at 0.01 s/token)
+    return PrefillAdmission(ClusterSpec(model_dir=str(model_dir), max_num_batched_tokens=64, lease_base_s=2.0, **kw))
+
+
+def _workers(*speeds: float | None) -> list[Worker]:
+    ws = [Worker(WorkerLoad(f"prefill-{i}"), SimpleNamespace()) for i in range(len(speeds))]
+    for w, s in zip(ws, speeds, strict=True):
+        if s is not None:
+            w.observe_speed(s, 1)
+    return ws
+
+
+def _full_pool(adm: PrefillAdmission) -> list[Worker]:
+    """prefill-0 (0.01 s/token, cap 100) holds 100 tokens, prefill-1 (0.02 s/token, cap 50) 50: no room for a
+    40-token prompt; together they get through 150 tokens/s."""
+    p0, p1 = _workers(0.01, 0.02)
+    p0.charge(100, 0)
+    p1.charge(50, 0)
+    assert (adm.cap(p0), adm.cap(p1)) == (100, 50)
+    return [p0, p1]
+
+
+async def _until_waiting(adm: PrefillAdmission, tokens: int) -> None:
+    for _ in range(1000):
+        if adm.waiting_tokens == tokens:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"waiting tokens {adm.waiting_tokens}, expected {tokens}")
+
+
+def test_the_projection_is_the_pools_queue_over_its_speed():
+    """The worked example of :func:`projected_wait_ttft_s`; a cached prefix shortens it; nothing measured: None."""
+    loads = [PrefillLoad("prefill-0", 300, 0.01), PrefillLoad("prefill-1", 150, 0.02)]
+    assert projected_wait_ttft_s(loads, 150, 300) == pytest.approx(6.0)
+    cached = [PrefillLoad("prefill-0", 300, 0.01), PrefillLoad("prefill-1", 150, 0.02, cached_tokens=75)]
+    assert projected_wait_ttft_s(cached, 150, 300) == pytest.approx(5.5)
+    assert projected_wait_ttft_s([PrefillLoad("prefill-0", 300, None)], 150, 300) is None
+
+
+def test_a_request_that_cannot_be_reached_before_its_deadline_is_refused_at_once(tiny_model_dir):
+    """A 40-token prompt with 10 s left would wait (190 tokens at 150 tokens/s: 1.3 s) on a full pool; with 3,000
+    tokens of prompts waiting ahead of it (21.3 s) it is refused at once with a retry hint of the wait beyond its
+    10 s, charging nothing and leaving the waiters as they were. A waiter that gives up leaves nothing ahead."""
+    adm = _admission(tiny_model_dir)
+    pool = _full_pool(adm)
+
+    async def run() -> tuple[pytest.ExceptionInfo, float]:
+        ahead = asyncio.create_task(adm.admit(lambda: pool, 3000, [], "big", time.monotonic() + 60, frozenset()))
+        await _until_waiting(adm, 3000)
+        with pytest.raises(PrefillOverloadedError, match="past its timeout") as e:
+            await adm.admit(lambda: pool, 40, [], "late", time.monotonic() + 10, frozenset())
+        after_refusal = adm.waiting_tokens
+        ahead.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ahead
+        return e, after_refusal
+
+    e, after_refusal = asyncio.run(run())
+    ttft_s = (150 + 3000 + 40) / 150
+    assert ttft_s - 10 <= e.value.retry_after_s < ttft_s - 10 + 1.0  # 11.3 s (the time since `deadline` was set)
+    assert not is_retryable(e.value)  # the whole pool is late: no other pair is tried
+    assert after_refusal == 3000  # the refused request never waited
+    assert [(w.prefill_tokens, w.placed_tokens) for w in pool] == [(100, 100), (50, 50)]  # nothing charged
+    assert adm.waiting_tokens == 0  # the cancelled waiter is gone
+
+
+def test_a_request_that_fits_its_deadline_waits_and_is_admitted_when_room_frees(tiny_model_dir):
+    adm = _admission(tiny_model_dir)
+    p0, p1 = pool = _full_pool(adm)
+
+    async def run() -> tuple[Worker, int]:
+        task = asyncio.create_task(adm.admit(lambda: pool, 40, [], "fits", time.monotonic() + 10, frozenset()))
+        await _until_waiting(adm, 40)
+        assert not task.done()
+        adm.release(p0, 100)
+        return await asyncio.wait_for(task, 5)
+
+    pw, charge = asyncio.run(run())
+    assert (pw.worker_id, charge) == ("prefill-0", 40)
+    assert (p0.prefill_tokens, p1.prefill_tokens, adm.waiting_tokens) == (40, 50, 0)
+
+
+@pytest.mark.parametrize("measured, refuse", [(False, True), (True, False)], ids=["unmeasured", "refusal-off"])
+def test_no_refusal_without_a_measured_worker_or_with_refusal_off(tiny_model_dir, measured, refuse):
+    """With no speed measured there is no basis for a projection, and ``refuse_when_overloaded=False`` never
+    refuses: the request waits and times out at its deadline (as it would have been refused otherwise)."""
+    adm = _admission(tiny_model_dir, refuse_when_overloaded=refuse)
+    (pw,) = _workers(0.01 if measured else None)
+    pw.charge(100 if measured else 10, 0)  # at its cap (one prompt at a time when unmeasured)
+    with pytest.raises(RequestTimeoutError):
+        asyncio.run(adm.admit(lambda: [pw], 5000, [], "r", time.monotonic() + 0.05, frozenset()))
+    assert adm.waiting_tokens == 0 and pw.prefill_tokens == (100 if measured else 10)
+
+
+@pytest.mark.parametrize("queued, retry_s", [(90, REFUSAL_RETRY_MIN_S), (100_000, REFUSAL_RETRY_MAX_S)],
+                         ids=["floor", "cap"])
+def test_the_retry_hint_is_bounded(tiny_model_dir, queued, retry_s):
+    """(90 + 10) tokens at 100 tokens/s is 1 s, 0.1 s past a 0.9 s deadline: the 1 s floor; 1,000 s: the 60 s cap."""
+    adm = _admission(tiny_model_dir)
+    with pytest.raises(PrefillOverloadedError) as e:
+        adm.check_reachable([PrefillLoad("prefill-0", queued, 0.01, has_room=False)], 10, "r",
+                            time.monotonic() + 0.9)
+    assert e.value.retry_after_s == retry_s
+
+
+def test_refuse_when_overloaded_is_validated(tiny_model_dir):
+    with pytest.raises(InvalidRequestError, match="refuse_when_overloaded"):
+        ClusterSpec(model_dir=str(tiny_model_dir), refuse_when_overloaded="yes")
