@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 RECENT_REQUESTS = 4096  # finished requests kept for the autoscaler's latency percentiles
 
 
@@ -75,6 +76,9 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS)
         self.queue = Histogram("duet_queue_seconds", "Arrival to accepted by a prefill worker", registry=r,
                                buckets=_LATENCY_BUCKETS)
+        self.ttft_stage = Histogram("duet_ttft_stage_seconds", "Time to first token by stage (the request timeline's "
+                                    "ttft_breakdown; stages add up to the TTFT)", ["stage"], registry=r,
+                                    buckets=_STAGE_BUCKETS)
         self.kv_bytes = Counter("duet_kv_transfer_bytes", "KV bytes moved prefill -> decode (after decoding)",
                                 registry=r)
         self.kv_seconds = Histogram("duet_kv_transfer_seconds", "KV transfer time per request", registry=r,
@@ -110,6 +114,8 @@ class Metrics:
         self.recent.add(ttft, tpot)
         self.e2e.observe(timeline.get("total_s", 0.0))
         self.queue.observe(timeline.get("queue_s", 0.0))
+        for stage, seconds in (timeline.get("ttft_breakdown") or {}).items():
+            self.ttft_stage.labels(stage.removesuffix("_s")).observe(seconds)
         kv = timeline.get("kv_transfer") or {}
         if kv.get("bytes"):
             self.kv_bytes.inc(kv["bytes"])

@@ -84,6 +84,7 @@ def test_transfer_series_per_transport():
     m = _metrics(_FakeCluster())
     for nbytes, wire in ((4e9, 1e9), (2e9, 1e9)):
         m.observe_finished({"ttft_s": 0.2, "decode_s": 0.3, "total_s": 0.5, "queue_s": 0.01,
+                            "ttft_breakdown": {"prefill_compute_s": 0.15, "decode_commit_s": 0.05},
                             "kv_transfer": {"transport": "gloo", "bytes": nbytes, "wire_bytes": wire,
                                             "seconds": 1.0}}, 10, 4)
     text = m.render().decode()
@@ -93,6 +94,8 @@ def test_transfer_series_per_transport():
     assert _value(text, "duet_kv_compression_ratio", transport="gloo") == pytest.approx(3.0)
     assert _value(text, "duet_time_per_output_token_seconds_count") == 2  # TPOT 0.3 / 3 = 0.1 each
     assert _value(text, "duet_time_per_output_token_seconds_sum") == pytest.approx(0.2)
+    assert _value(text, "duet_ttft_stage_seconds_sum", stage="prefill_compute") == pytest.approx(0.3)
+    assert _value(text, "duet_ttft_stage_seconds_count", stage="decode_commit") == 2
 
 
 def test_cluster_series_from_snapshot():
