@@ -159,6 +159,7 @@ class DecodeActor(WorkerActorBase):
                 decoding = self.worker.engine.has_unfinished_requests()
                 events = self._step() if decoding or self.worker.receiving else []
             self._publish(events)
+            self.lock.give_way()  # an allocate or abort that waited for this step goes before the next one
             if not decoding and self.worker.receiving:
                 # Only transfers in flight: poll them every 2 ms instead of spinning, which would starve the
                 # transport's receive thread of the GIL and slow every transfer ~100x.
@@ -174,6 +175,7 @@ class DecodeActor(WorkerActorBase):
                 report, plan = self.worker.group_step(stop=self.stopped)
                 events = report.events
             self._publish(events)
+            self.lock.give_way()
             if plan is not None and plan.stop:
                 break
             if plan is None and self.stopped:

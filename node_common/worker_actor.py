@@ -12,6 +12,7 @@ import threading
 import torch
 
 from node_common import messages
+from node_common.turn_lock import TurnLock
 
 
 class WorkerActorBase:
@@ -26,7 +27,7 @@ class WorkerActorBase:
             lower_priority(nice)
         torch.set_num_threads(max(1, num_threads))  # Ray sets OMP_NUM_THREADS=1 for fractional actors
         self.worker_id = worker_id
-        self.lock = threading.Lock()
+        self.lock = TurnLock()  # the loop gives way to waiting calls between steps (node_common.turn_lock)
         self.stopped = False
 
     def _start(self) -> None:

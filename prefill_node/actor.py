@@ -104,6 +104,7 @@ class PrefillActor(WorkerActorBase):
                         logger.exception("prefill step failed")
                         for rid in list(self.worker.requests):
                             self.worker.abort(rid, "prefill step failed")
+            self.lock.give_way()  # a submit that waited for this step goes before the next one
             if not busy:
                 self.wake.wait(0.05)
                 self.wake.clear()
