@@ -6,7 +6,9 @@ front-end's event loop):
 
 1. :meth:`PrefillAdmission.admit` -- wait until a prefill worker has room for the prompt, then charge it the prompt's
    uncached tokens (:func:`cluster.control.router.pick_prefill`: least expected time to first token, the prefix its
-   cache holds free). Requests queue here, not in a prefill worker's queue: a lease's deadline runs from its
+   cache holds free), an image token counting as :attr:`PrefillAdmission.visual_weight` text tokens (learnt from
+   the prefill workers' measured stages: the vision tower's time per image token against the language model's per
+   token). Requests queue here, not in a prefill worker's queue: a lease's deadline runs from its
    allocation, so no decode blocks are reserved before admission. A prompt that would wait is first refused at
    once (:class:`~cluster.control.errors.PrefillOverloadedError`, with a retry hint) when the pool could not get to
    it before its deadline (:meth:`PrefillAdmission.check_reachable`; ``ClusterSpec.refuse_when_overloaded``).
@@ -46,6 +48,8 @@ from engine.errors import OutOfBlocksError
 from engine.sequence import Sequence
 from node_common import messages
 
+VISUAL_WEIGHT_EWMA = 0.2  # weight of the newest sample in PrefillAdmission.visual_weight
+MAX_VISUAL_WEIGHT = 64.0  # a sample beyond this is a measurement gone wrong (a tiny compute time), not a cost
 PREFIX_REPORT_S = 1.0  # how often each prefill worker is asked for its prefix-cache changes (evictions included)
 PREFILL_QUEUE_LEASE_FRACTION = 0.5  # a prefill worker's admitted work, in measured seconds, vs lease_base_s
 # a refused request's retry hint: at least 1 s (HTTP's Retry-After counts whole seconds), at most a minute (a longer
@@ -73,19 +77,25 @@ class PrefillAdmission:
         self._adaptive_cap = spec.max_prefill_queue_tokens is None  # default: also bounded by measured time
         self._refuse_when_overloaded = spec.refuse_when_overloaded
         self._room_waiters: list[_Waiter] = []  # requests waiting for prefill room, in arrival order
+        # an image token's prefill work in text tokens (vision tower + language model), learnt from the workers'
+        # reported stages (observe_stages); one value for the pool: its workers run one model on one kind of machine
+        self.visual_weight = 1.0
 
     async def admit(self, live: Callable[[], list[Worker]], n_prompt: int, hashes: list[bytes], rid: str,
-                    deadline: float, exclude: frozenset[str]) -> tuple[Worker, int]:
+                    deadline: float, exclude: frozenset[str], n_visual: int = 0) -> tuple[Worker, int]:
         """Place the prompt on a prefill worker once one has room for it. ``live()`` gives the workers that take
         requests now (asked again after every wait); those in ``exclude`` (tried already) are used only when no
         other is live. A prompt larger than a worker's cap is admitted to it alone. Returns the worker and the
-        tokens charged to it (give them back with :meth:`release`).
+        tokens charged to it (give them back with :meth:`release`). Its ``n_visual`` image tokens count as
+        :attr:`visual_weight` text tokens each (:meth:`cost`).
 
         Before each wait for room, :meth:`check_reachable` may refuse the prompt at once
         (:class:`~cluster.control.errors.PrefillOverloadedError`); a wait that reaches ``deadline`` raises
         :class:`~cluster.control.errors.RequestTimeoutError`. Either way nothing is charged and the request leaves
         no waiter behind."""
         loop = asyncio.get_running_loop()
+        extra = self.cost(n_prompt, n_visual) - n_prompt
+        n_prompt += extra  # from here on, in text-token equivalents
         while True:
             workers = live()
             pool = [w for w in workers if w.worker_id not in exclude] or workers
@@ -108,7 +118,27 @@ class PrefillAdmission:
                 if waiter in self._room_waiters:
                     self._room_waiters.remove(waiter)
         pw = next(w for w in pool if w.worker_id == pick.worker_id)
-        return pw, pw.charge(n_prompt, pick.cached_tokens)
+        return pw, pw.charge(n_prompt - extra, pick.cached_tokens, extra)
+
+    def cost(self, n_prompt: int, n_visual: int) -> int:
+        """A prompt's prefill work in text-token equivalents: each of its ``n_visual`` image tokens counts
+        :attr:`visual_weight` (>= 1: the vision tower's share on top of the language model's)."""
+        return n_prompt + round((self.visual_weight - 1.0) * n_visual)
+
+    def observe_stages(self, n_prompt: int, n_visual: int, stages: dict | None) -> None:
+        """Learn :attr:`visual_weight` from one request's prefill stages (the hand-off's ``stages``, measured by
+        its prefill worker): the vision tower's seconds per image token over the language model's seconds per
+        prompt token, plus one. A text prompt, or an image found in the worker's vision cache (no tower time), says
+        nothing about it. Worked example: a 1,088-token prompt with 1,024 image tokens, 2.0 s in the tower and
+        1.1 s of compute -> (2.0 / 1024) / (1.1 / 1088) + 1 = 2.93. The compute of a step shared with other prompts
+        counts their tokens too, so the weight is learnt low rather than high."""
+        if n_visual <= 0 or not stages:
+            return
+        vision, compute = float(stages.get("vision_encode_s", 0.0)), float(stages.get("prefill_compute_s", 0.0))
+        if vision <= 0 or compute <= 0:
+            return
+        sample = min(MAX_VISUAL_WEIGHT, 1.0 + (vision / n_visual) / (compute / n_prompt))
+        self.visual_weight = (1 - VISUAL_WEIGHT_EWMA) * self.visual_weight + VISUAL_WEIGHT_EWMA * sample
 
     @property
     def waiting_tokens(self) -> int:

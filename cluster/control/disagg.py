@@ -283,7 +283,7 @@ class DisaggCluster:
         self.pool.pick_decode(blocks, exclude_d)  # fail fast when no decode worker could ever hold it
         hashes = self.admission.block_hashes(p)
         pw, charge = await self.admission.admit(self.pool.open_prefills, len(p.token_ids), hashes, rid, deadline,
-                                                exclude_p)
+                                                exclude_p, n_visual=p.num_visual_tokens)
         admitted_at = time.monotonic()
         with Assignment(self.admission, pw, charge, hashes) as a:
             decode = a.bind(self.pool.pick_decode(blocks, exclude_d))  # after the wait: free blocks may have changed
@@ -315,6 +315,9 @@ class DisaggCluster:
                             a.abort(rid)
                             raise AttemptFailed(ev.reason, **pair)
                         if ev.token_ids:
+                            if placement is not None:  # the first: what its prefill cost, stage by stage
+                                self.admission.observe_stages(len(p.token_ids), p.num_visual_tokens,
+                                                              (ev.kv_transfer or {}).get("prefill_stages"))
                             a.first_token()
                             yield Delta.of(ev, attempt=attempt, placement=placement)
                             placement = None

@@ -65,10 +65,11 @@ class Worker:
         self.dead_reason = reason
         return True
 
-    def charge(self, n_prompt: int, cached_tokens: int) -> int:
-        """Admit a prompt of ``n_prompt`` tokens, ``cached_tokens`` of them predicted from the prefix cache; returns
-        the tokens charged (give them back with :meth:`discharge`)."""
-        charge = n_prompt - cached_tokens
+    def charge(self, n_prompt: int, cached_tokens: int, extra: int = 0) -> int:
+        """Admit a prompt of ``n_prompt`` tokens, ``cached_tokens`` of them predicted from the prefix cache, and
+        ``extra`` tokens' worth of work beside them (its images' vision tower); returns the tokens charged (give them
+        back with :meth:`discharge`)."""
+        charge = n_prompt + extra - cached_tokens
         self.prefill_tokens += charge
         self.placed_tokens += n_prompt
         self.predicted_cached_tokens += cached_tokens

@@ -128,3 +128,20 @@ def test_the_retry_hint_is_bounded(tiny_model_dir, queued, retry_s):
 def test_refuse_when_overloaded_is_validated(tiny_model_dir):
     with pytest.raises(InvalidRequestError, match="refuse_when_overloaded"):
         ClusterSpec(model_dir=str(tiny_model_dir), refuse_when_overloaded="yes")
+
+
+def test_image_tokens_are_charged_by_their_measured_cost(tiny_model_dir):
+    """The docstring's example: 2.0 s of vision tower over 1,024 image tokens against 1.1 s of compute over 1,088
+    tokens -> an image token costs 2.93 text tokens; a text prompt or a cached image (no tower time) teaches
+    nothing; a prompt's charge then counts its image tokens at that weight."""
+    adm = PrefillAdmission(ClusterSpec(model_dir=str(tiny_model_dir)))
+    adm.observe_stages(64, 0, {"prefill_compute_s": 0.1})
+    adm.observe_stages(1088, 1024, {"vision_encode_s": 0.0, "prefill_compute_s": 1.1})
+    assert adm.visual_weight == 1.0 and adm.cost(1088, 1024) == 1088
+    for _ in range(40):
+        adm.observe_stages(1088, 1024, {"vision_encode_s": 2.0, "prefill_compute_s": 1.1, "prefill_queue_s": 0.3})
+    assert adm.visual_weight == pytest.approx(1 + (2.0 / 1024) / (1.1 / 1088), rel=1e-3)
+    assert adm.cost(1088, 1024) == 1088 + round((adm.visual_weight - 1) * 1024) > 3000
+    w = Worker(WorkerLoad("prefill-0"), SimpleNamespace())
+    pw, charged = asyncio.run(adm.admit(lambda: [w], 1088, [], "r", time.monotonic() + 5, frozenset(), n_visual=1024))
+    assert pw is w and charged == w.prefill_tokens == adm.cost(1088, 1024) and w.placed_tokens == 1088
