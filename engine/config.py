@@ -170,6 +170,11 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     vision_cache_size: int = 64
+    # Qwen3-VL: run the vision tower ahead of scheduling, in slices of about this many seconds (whole blocks, at
+    # least one) at the start of each step; a prompt joins the scheduler once its images are encoded, so prompts
+    # without images to encode pass those being encoded. None: each image is encoded whole in the step that first
+    # schedules its prompt (a text prompt arriving then waits for the whole tower call).
+    vision_slice_s: float | None = None
     # decode staging (engine.decode_mirror) reserved at start for max_num_seqs sequences of this many tokens; None:
     # grown on demand (each growth copies it: ~0.1 s at 16 -> 32 sequences of 2048 tokens, a stall of every decode)
     decode_mirror_tokens: int | None = None
@@ -195,6 +200,8 @@ class EngineConfig:
             raise ValueError("decode_mirror_tokens must be >= 1 (or None)")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(POLICIES)}, got {self.scheduling_policy!r}")
+        if self.vision_slice_s is not None and not self.vision_slice_s > 0:
+            raise ValueError("vision_slice_s must be > 0 (or None)")
         if not self.scheduling_max_wait_s > 0:
             raise ValueError("scheduling_max_wait_s must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -15,6 +15,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     vision_s: float = 0.0  # seconds of vision-tower calls that encoded this request's images (shared calls counted whole)
+    vision_ahead: bool = False  # its images were encoded before it was first scheduled (EngineConfig.vision_slice_s)
 
     @property
     def ttft_s(self) -> float | None:

@@ -41,11 +41,12 @@ class PrefillRequest:
         return self.visual
 
     def stages(self) -> dict[str, float]:
-        """Where this worker's time went for the request, in seconds (the hand-off's ``stages``): submit -> first
-        scheduled (``prefill_queue_s``), the vision-tower calls it waited for (``vision_encode_s``), and the rest of
+        """Where this worker's time went for the request, in seconds (the hand-off's ``stages``): the vision-tower
+        calls it waited for (``vision_encode_s``); the rest of submit -> first scheduled (``prefill_queue_s``) and of
         first scheduled -> last layer computed (``prefill_compute_s``)."""
         m = self.seq.metrics
         start = m.first_scheduled_time if m.first_scheduled_time is not None else m.arrival_time
         done = self.compute_done_pc if self.compute_done_pc is not None else time.perf_counter()
-        return {"prefill_queue_s": max(0.0, start - m.arrival_time), "vision_encode_s": m.vision_s,
-                "prefill_compute_s": max(0.0, done - start - m.vision_s)}
+        ahead = m.vision_s if m.vision_ahead else 0.0  # the vision stage ran before it was first scheduled
+        return {"prefill_queue_s": max(0.0, start - m.arrival_time - ahead), "vision_encode_s": m.vision_s,
+                "prefill_compute_s": max(0.0, done - start - (m.vision_s - ahead))}

@@ -47,6 +47,10 @@ class ClusterSpec:
     # first and prefill takes every core they leave idle; otherwise max(1, int(cpus_per_worker))
     prefill_threads: int | None = None
     decode_threads: int | None = None  # torch threads of each decode worker (None: max(1, int(cpus_per_worker)))
+    # Qwen3-VL prefill workers run the vision tower in slices of about this many seconds ahead of scheduling
+    # (EngineConfig.vision_slice_s), so a text prompt arriving during a large image's encoding waits one slice, not
+    # the whole tower call; None: each image encoded whole in the step that schedules its prompt
+    prefill_vision_slice_s: float | None = 0.05
     gpus_per_worker: float = 0.0
     stream_layers: bool = True
     request_timeout_s: float = 600.0
@@ -99,6 +103,8 @@ class ClusterSpec:
         if not isinstance(self.refuse_when_overloaded, bool):
             raise InvalidRequestError(f"refuse_when_overloaded must be true or false, got "
                                       f"{self.refuse_when_overloaded!r}")
+        if self.prefill_vision_slice_s is not None and not self.prefill_vision_slice_s > 0:
+            raise InvalidRequestError("prefill_vision_slice_s must be > 0 (or None)")
         for name in ("prefill_threads", "decode_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1 (or None)")
@@ -219,6 +225,8 @@ class ClusterSpec:
         extra = dict(self.extra_engine)
         if role == "prefill":  # a prefill worker never decodes: no staging to reserve
             extra.pop("decode_mirror_tokens", None)
+            if self.prefill_vision_slice_s is not None:
+                extra.setdefault("vision_slice_s", self.prefill_vision_slice_s)
         return dict(dtype=self.dtype, device="cuda" if self.gpus_per_worker > 0 else "cpu",
                     block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=budget, max_model_len=self.max_model_len, **extra)

@@ -328,3 +328,39 @@ def test_cuda_bfloat16_follows_transformers(ckpts):
     assert got.token_ids[:1] == out.sequences[0, len(ids):len(ids) + 1].tolist()
     torch.testing.assert_close(got.logits[0].cpu(), out.logits[0][0].float().cpu(), rtol=0, atol=0.1)
     assert_no_leaked_blocks(llm)
+
+
+def test_the_vision_stage_encodes_in_slices_and_lets_text_pass(hf_dir):
+    """EngineConfig.vision_slice_s: the tower runs block by block ahead of scheduling (a slice this short is one
+    block a step). The image prompt's tokens and logits are those of the whole-call engine; a text prompt that
+    arrives while the image is being encoded gets its first token before the image's encoding is done; an abort
+    in the vision stage leaves nothing behind."""
+    im = image(21, SIZES["150x170"])
+    ids = build_prompt([im], hf_dir, seed=9)
+    whole = LLM(hf_dir, **ENGINE).generate([request(ids, [im])], greedy(4))[0]
+    llm = LLM(hf_dir, **ENGINE, vision_slice_s=1e-6)
+    eng = llm.engine
+    depth = len(eng.runner.model.vision.blocks)
+    eng.add_request("img", request(ids, [im]), greedy(4))
+    eng.add_request("txt", {"prompt_token_ids": build_prompt([], hf_dir, seed=3, text=8)}, greedy(2))
+    outs: dict[str, list] = {}
+    steps_encoding = 0
+    while eng.has_unfinished_requests():
+        encoding = bool(eng.encoding)
+        for o in eng.step():
+            outs[o.request_id] = o
+            if o.request_id == "txt" and len(o.outputs[0].token_ids) == 1:
+                assert encoding, "the text prompt got its first token while the image was still in the vision stage"
+        steps_encoding += encoding
+    assert steps_encoding >= depth - 1  # one block a step
+    img = outs["img"]
+    assert img.outputs[0].token_ids == whole.outputs[0].token_ids
+    torch.testing.assert_close(torch.stack(img.outputs[0].logits), torch.stack(whole.outputs[0].logits))
+    assert img.metrics.vision_s > 0 and img.metrics.vision_ahead and len(outs["txt"].outputs[0].token_ids) == 2
+    eng.add_request("gone", request(build_prompt([image(22, SIZES["47x133"])], hf_dir), [image(22, SIZES["47x133"])]),
+                    greedy(2))
+    eng.step()
+    assert eng.encoding and eng.runner._vision_jobs
+    assert eng.abort_request("gone") and not eng.encoding and not eng.runner._vision_jobs
+    assert not eng.has_unfinished_requests()
+    assert_no_leaked_blocks(llm)

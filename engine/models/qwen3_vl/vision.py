@@ -19,6 +19,8 @@ checkpoint's ``model.visual.X`` loads as ``X``; the tower has no buffers (RoPE f
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -105,6 +107,19 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))  # exact GELU whatever hidden_act is, as the reference
 
 
+@dataclass
+class VisionJob:
+    """One tower call in progress (:meth:`QwenVisionTower.start`): the hidden states after ``next_block`` blocks,
+    the call's RoPE tables and attention segments, and the DeepStack levels computed so far."""
+
+    x: torch.Tensor
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    segments: list[tuple[int, int, int]]
+    next_block: int = 0
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+
+
 class QwenVisionTower(nn.Module):
     def __init__(self, cfg: QwenVisionConfig) -> None:
         super().__init__()
@@ -121,19 +136,36 @@ class QwenVisionTower(nn.Module):
         """pixel_values [P, C*T*p*p] (any float dtype; cast to the weights'), grid_thw [N, 3] int (t, h, w) with
         P = sum t*h*w and h, w multiples of merge -> (merged [sum t*h*w/merge², out_hidden], one tensor of that
         shape per DeepStack level, in block order as the reference). Rows follow the images' order."""
+        job = self.start(pixel_values, grid_thw)
+        self.advance(job, blocks=len(self.blocks))
+        return self.finish(job)
+
+    # the same computation in slices (a serving engine runs the tower between steps): start, advance ..., finish
+    def start(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionJob:
+        """Check the inputs (as :meth:`forward`) and embed the patches; no block has run yet."""
         w = self.patch_embed.proj.weight
         grids = [tuple(map(int, g)) for g in grid_thw.tolist()]
         self._check_inputs(pixel_values, grids)
         x = self.patch_embed(pixel_values.to(dtype=w.dtype, device=w.device))
         pos, cos, sin_signed = self._position_tables(grids, w.device)
-        x = x + pos.to(x.dtype)
-        segments = _segments(grids)
-        deepstack = []
-        for i, blk in enumerate(self.blocks):
-            x = blk(x, cos, sin_signed, segments)
+        return VisionJob(x + pos.to(x.dtype), cos, sin_signed, _segments(grids))
+
+    def advance(self, job: VisionJob, *, blocks: int = 1) -> bool:
+        """Run up to ``blocks`` more blocks of ``job``; returns whether every block has run."""
+        for _ in range(blocks):
+            if job.next_block == len(self.blocks):
+                break
+            i = job.next_block
+            job.x = self.blocks[i](job.x, job.cos, job.sin_signed, job.segments)
             if (j := self._deepstack_at.get(i)) is not None:
-                deepstack.append(self.deepstack_merger_list[j](x))
-        return self.merger(x), deepstack
+                job.deepstack.append(self.deepstack_merger_list[j](job.x))
+            job.next_block += 1
+        return job.next_block == len(self.blocks)
+
+    def finish(self, job: VisionJob) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The merged features and DeepStack levels of a job whose blocks have all run."""
+        assert job.next_block == len(self.blocks), "finish() before every block ran"
+        return self.merger(job.x), job.deepstack
 
     def _check_inputs(self, pixel_values: torch.Tensor, grids: list[tuple[int, ...]]) -> None:
         m = self.cfg.spatial_merge_size

@@ -72,6 +72,17 @@ def test_spec_is_validated(tiny_model_dir, tmp_path):
         ClusterSpec(model_dir=str(tiny_model_dir), transport="inproc")
     with pytest.raises(InvalidRequestError, match="prefill_max_batched_tokens"):
         ClusterSpec(model_dir=str(tiny_model_dir), prefill_max_batched_tokens=0)
+    with pytest.raises(InvalidRequestError, match="prefill_vision_slice_s"):
+        ClusterSpec(model_dir=str(tiny_model_dir), prefill_vision_slice_s=0)
+
+
+def test_prefill_workers_run_the_vision_tower_in_slices_by_default(tiny_model_dir):
+    spec = ClusterSpec(model_dir=str(tiny_model_dir))
+    assert spec.engine_config("prefill")["vision_slice_s"] == 0.05 and "vision_slice_s" not in spec.engine_config("decode")
+    off = ClusterSpec(model_dir=str(tiny_model_dir), prefill_vision_slice_s=None)
+    assert "vision_slice_s" not in off.engine_config("prefill")
+    mine = ClusterSpec(model_dir=str(tiny_model_dir), extra_engine={"vision_slice_s": 0.2})
+    assert mine.engine_config("prefill")["vision_slice_s"] == 0.2  # an engine setting of one's own is kept
 
 
 def test_prefill_workers_can_take_their_own_step_budget(ray_cluster, tiny_model_dir):
