@@ -44,6 +44,7 @@ from cluster.control.router import (
 from cluster.control.spec import ClusterSpec
 from cluster.control.worker import Worker
 from engine import SamplingParams
+from engine.config import ModelConfig
 from engine.errors import OutOfBlocksError
 from engine.sequence import Sequence
 from node_common import messages
@@ -80,6 +81,10 @@ class PrefillAdmission:
         # an image token's prefill work in text tokens (vision tower + language model), learnt from the workers'
         # reported stages (observe_stages); one value for the pool: its workers run one model on one kind of machine
         self.visual_weight = 1.0
+        # prefill workers run a vision stage (Qwen3-VL, spec.prefill_vision_slice_s): a prompt without images passes
+        # image prompts there, so image prompts do not take its room (load_of)
+        self.text_lane = (spec.prefill_vision_slice_s is not None
+                          and ModelConfig.from_pretrained(spec.model_dir).is_qwen_vl)
 
     async def admit(self, live: Callable[[], list[Worker]], n_prompt: int, hashes: list[bytes], rid: str,
                     deadline: float, exclude: frozenset[str], n_visual: int = 0) -> tuple[Worker, int]:
@@ -102,7 +107,7 @@ class PrefillAdmission:
             if not pool:
                 raise TransferFailedError("no live prefill worker")
             unmeasured_s = max((w.s_per_token for w in workers if w.s_per_token is not None), default=None)
-            loads = [self.load_of(w, n_prompt, hashes, unmeasured_s) for w in pool]
+            loads = [self.load_of(w, n_prompt, hashes, unmeasured_s, images=n_visual > 0) for w in pool]
             pick = pick_prefill(loads, n_prompt)
             if pick is not None:
                 break
@@ -118,7 +123,12 @@ class PrefillAdmission:
                 if waiter in self._room_waiters:
                     self._room_waiters.remove(waiter)
         pw = next(w for w in pool if w.worker_id == pick.worker_id)
-        return pw, pw.charge(n_prompt - extra, pick.cached_tokens, extra)
+        return pw, pw.charge(n_prompt - extra, pick.cached_tokens, extra, images=n_visual > 0)
+
+    def queued_ahead(self, w: Worker, images: bool) -> int:
+        """The charged tokens a prompt on ``w`` waits behind: all, or with :attr:`text_lane` and no images, only
+        the text prompts' (what its speed sample is taken over)."""
+        return w.prefill_tokens if images or not self.text_lane else w.prefill_tokens - w.image_tokens
 
     def cost(self, n_prompt: int, n_visual: int) -> int:
         """A prompt's prefill work in text-token equivalents: each of its ``n_visual`` image tokens counts
@@ -180,11 +190,14 @@ class PrefillAdmission:
             await asyncio.gather(*(ask(w) for w in live()), return_exceptions=True)
 
     def load_of(self, w: Worker, n_prompt: int, hashes: list[bytes],
-                unmeasured_s_per_token: float | None = None) -> PrefillLoad:
+                unmeasured_s_per_token: float | None = None, *, images: bool = False) -> PrefillLoad:
         """``w`` as :func:`~cluster.control.router.pick_prefill` sees it for a prompt of ``n_prompt`` tokens
-        (``unmeasured_s_per_token``: see :meth:`cap`)."""
+        (``unmeasured_s_per_token``: see :meth:`cap`). With a vision stage on the workers (:attr:`text_lane`), a
+        prompt without images has room beside the image prompts admitted there: it passes them in the worker's
+        vision stage, so only the text prompts ahead count against its cap."""
         cached = cached_prefix_tokens(w.prefix, hashes, self.block_size)
-        room = not w.prefill_tokens or w.prefill_tokens + n_prompt - cached <= self.cap(w, unmeasured_s_per_token)
+        held = self.queued_ahead(w, images)
+        room = not held or held + n_prompt - cached <= self.cap(w, unmeasured_s_per_token)
         return PrefillLoad(w.worker_id, w.prefill_tokens, w.s_per_token, cached, room)
 
     def cap(self, pw: Worker, unmeasured_s_per_token: float | None = None) -> float:
@@ -211,10 +224,10 @@ class PrefillAdmission:
         seq = Sequence(0, "", list(p.token_ids), len(p.token_ids), SamplingParams(), self.block_size, mm=p.mm)
         return [seq.block_hash(i) for i in range((len(p.token_ids) - 1) // self.block_size)]
 
-    def release(self, pw: Worker, tokens: int) -> None:
+    def release(self, pw: Worker, tokens: int, *, images: bool = False) -> None:
         """Give back admitted prompt tokens and wake the waiters (:class:`~cluster.control.worker.Assignment` calls
         it, once per admission)."""
-        pw.discharge(tokens)
+        pw.discharge(tokens, images=images)
         waiters, self._room_waiters = self._room_waiters, []
         for w in waiters:
             if not w.woken.done():

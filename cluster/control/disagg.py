@@ -285,7 +285,7 @@ class DisaggCluster:
         pw, charge = await self.admission.admit(self.pool.open_prefills, len(p.token_ids), hashes, rid, deadline,
                                                 exclude_p, n_visual=p.num_visual_tokens)
         admitted_at = time.monotonic()
-        with Assignment(self.admission, pw, charge, hashes) as a:
+        with Assignment(self.admission, pw, charge, hashes, images=p.num_visual_tokens > 0) as a:
             decode = a.bind(self.pool.pick_decode(blocks, exclude_d))  # after the wait: free blocks may have changed
             pair = {"prefill_worker": pw.worker_id, "decode_worker": decode.worker_id}
             body = dict(request_id=rid, params=messages.params_to_dict(params))
@@ -301,8 +301,9 @@ class DisaggCluster:
                     allocated_at = time.monotonic()
                     try:
                         to_prefill = messages.pack(**body, prompt=wire["prefill"], lease=reply["lease"])
-                        a.submitted(self._apply_report(pw, messages.unpack(await call(pw.actor.submit, to_prefill,
-                                                                                      deadline))))
+                        reply = messages.unpack(await call(pw.actor.submit, to_prefill, deadline))
+                        a.submitted(self._apply_report(pw, reply),
+                                    self.admission.queued_ahead(pw, p.num_visual_tokens > 0))
                     except Exception as e:  # noqa: BLE001 - sorted by _failed
                         if decode.alive:
                             decode.actor.abort.remote(rid)

@@ -42,6 +42,7 @@ class Worker:
     # prefill workers: THE load signal (cluster.control.router): prompt tokens admitted and not yet past their first
     # token, less those predicted to come from its prefix cache
     prefill_tokens: int = 0
+    image_tokens: int = 0  # prefill workers: the part of prefill_tokens charged for prompts with images
     s_per_token: float | None = None  # prefill workers: measured seconds from submit to first token per token queued
     prefix: PrefixIndex = field(default_factory=PrefixIndex)  # prefill workers: block hashes its cache holds
     placed_tokens: int = 0  # prefill workers: prompt tokens placed here, and those predicted cached (hit rate)
@@ -65,18 +66,20 @@ class Worker:
         self.dead_reason = reason
         return True
 
-    def charge(self, n_prompt: int, cached_tokens: int, extra: int = 0) -> int:
+    def charge(self, n_prompt: int, cached_tokens: int, extra: int = 0, *, images: bool = False) -> int:
         """Admit a prompt of ``n_prompt`` tokens, ``cached_tokens`` of them predicted from the prefix cache, and
         ``extra`` tokens' worth of work beside them (its images' vision tower); returns the tokens charged (give them
-        back with :meth:`discharge`)."""
+        back with :meth:`discharge`, with the same ``images``)."""
         charge = n_prompt + extra - cached_tokens
         self.prefill_tokens += charge
+        self.image_tokens += charge if images else 0
         self.placed_tokens += n_prompt
         self.predicted_cached_tokens += cached_tokens
         return charge
 
-    def discharge(self, tokens: int) -> None:
+    def discharge(self, tokens: int, *, images: bool = False) -> None:
         self.prefill_tokens -= tokens
+        self.image_tokens -= tokens if images else 0
 
     def observe_speed(self, elapsed_s: float, queued_tokens: int) -> None:
         """Fold one request's submit-to-first-token time over the tokens queued with it into the speed."""
@@ -90,15 +93,16 @@ class Worker:
 class ChargeReleaser(Protocol):
     """Who takes an admission charge back (:class:`~cluster.control.admission.PrefillAdmission`)."""
 
-    def release(self, pw: Worker, tokens: int) -> None: ...
+    def release(self, pw: Worker, tokens: int, *, images: bool = False) -> None: ...
 
 
 class Assignment:
     """One attempt's hold on its workers (see the module docstring): the prefill charge ``admission.admit`` took,
     and, once bound, the request's in-flight count on both workers. Front-end loop only."""
 
-    def __init__(self, admission: ChargeReleaser, prefill: Worker, charge: int, hashes: list[bytes]) -> None:
-        self.admission, self.prefill, self.hashes = admission, prefill, hashes
+    def __init__(self, admission: ChargeReleaser, prefill: Worker, charge: int, hashes: list[bytes], *,
+                 images: bool = False) -> None:
+        self.admission, self.prefill, self.hashes, self.images = admission, prefill, hashes, images
         self.decode: Worker | None = None
         self._charge: int | None = charge  # None once given back
         self._submitted: tuple[float, int, int] | None = None  # (monotonic time, tokens queued, prefix report)
@@ -121,9 +125,10 @@ class Assignment:
         self.prefill.inflight += 1
         return decode
 
-    def submitted(self, prefix_seq: int) -> None:
-        """The prefill worker took the request; its reply carried prefix report ``prefix_seq``."""
-        self._submitted = (time.monotonic(), self.prefill.prefill_tokens, prefix_seq)
+    def submitted(self, prefix_seq: int, queued: int | None = None) -> None:
+        """The prefill worker took the request; its reply carried prefix report ``prefix_seq``. ``queued``: the
+        charged tokens it waits behind, its own included (default: all the worker's)."""
+        self._submitted = (time.monotonic(), self.prefill.prefill_tokens if queued is None else queued, prefix_seq)
 
     def first_token(self) -> None:
         """The request's first tokens arrived (later calls do nothing): the prefill worker's speed is observed, the
@@ -153,7 +158,7 @@ class Assignment:
     def _release(self) -> None:
         if self._charge is not None:
             charge, self._charge = self._charge, None
-            self.admission.release(self.prefill, charge)
+            self.admission.release(self.prefill, charge, images=self.images)
 
 
 async def await_ref(ref: Any) -> Any:

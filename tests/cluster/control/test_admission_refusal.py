@@ -145,3 +145,24 @@ def test_image_tokens_are_charged_by_their_measured_cost(tiny_model_dir):
     w = Worker(WorkerLoad("prefill-0"), SimpleNamespace())
     pw, charged = asyncio.run(adm.admit(lambda: [w], 1088, [], "r", time.monotonic() + 5, frozenset(), n_visual=1024))
     assert pw is w and charged == w.prefill_tokens == adm.cost(1088, 1024) and w.placed_tokens == 1088
+
+
+def test_a_text_prompt_has_room_beside_image_prompts_when_workers_run_a_vision_stage(tiny_model_dir):
+    """With a vision stage on the workers (Qwen3-VL; not this LLaVA checkpoint) a text prompt passes the image prompts
+    admitted there, so only text counts against its room; an image prompt counts everything; the charges come back
+    to the right counters."""
+    adm = PrefillAdmission(ClusterSpec(model_dir=str(tiny_model_dir), lease_base_s=2.0))
+    assert not adm.text_lane  # LLaVA encodes images whole in the step that schedules them
+    w = Worker(WorkerLoad("prefill-0"), SimpleNamespace())
+    w.observe_speed(0.01, 1)  # cap: 0.5 * 2 s / 0.01 = 100 tokens
+    big = w.charge(300, 0, 600, images=True)
+    assert (w.prefill_tokens, w.image_tokens) == (900, 900)
+    assert not adm.load_of(w, 50, []).has_room  # without the lane, images fill the room
+    adm.text_lane = True
+    assert adm.load_of(w, 50, []).has_room and not adm.load_of(w, 50, [], images=True).has_room
+    small = w.charge(50, 0)
+    assert adm.queued_ahead(w, images=False) == 50 and adm.queued_ahead(w, images=True) == 950
+    assert not adm.load_of(w, 60, []).has_room  # text ahead of it still counts: 50 + 60 > 100
+    adm.release(w, big, images=True)
+    adm.release(w, small)
+    assert (w.prefill_tokens, w.image_tokens) == (0, 0)

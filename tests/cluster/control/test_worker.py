@@ -24,8 +24,8 @@ class _Admission:
     def __init__(self) -> None:
         self.released: list[int] = []
 
-    def release(self, pw: Worker, tokens: int) -> None:
-        pw.discharge(tokens)
+    def release(self, pw: Worker, tokens: int, *, images: bool = False) -> None:
+        pw.discharge(tokens, images=images)
         self.released.append(tokens)
 
 
