@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--profile-from-bench", action="store_true",
                      help="measure a profile of this machine's engine on the demo model (seconds)")
     p.add_argument("--save-profile", help="with --profile-from-bench: write the measured profile here")
+    p.add_argument("--model-dir", help="with --profile-from-bench: the checkpoint to measure (default: the demo model; "
+                                       "a Qwen3-VL one also gives the vision tower's cost per image token)")
     p.add_argument("--transfer-json", default="bench_out/transfer.json",
                    help="with --profile-from-bench: a `duet bench transfer` result to take the KV cost from")
     p.add_argument("--gpus", type=int, default=8, help="total GPU (worker) budget")
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.profile:
         profile = Profile.load(args.profile)
     else:
-        profile = measure_profile(Path(args.transfer_json))
+        profile = measure_profile(Path(args.transfer_json), model_dir=Path(args.model_dir) if args.model_dir else None)
         if args.save_profile:
             write_json(args.save_profile, profile.__dict__)
     workload = Workload(rate=args.rate, prompt_mean=args.prompt_mean, prompt_cv=args.prompt_cv,
@@ -146,12 +148,14 @@ def measure_profile(transfer_json: Path | None = None, *, model_dir: Path | None
         best = lambda p: best_of(lambda: llm.generate([p], one)[0].metrics.ttft_s)
         pre = [best({"prompt_token_ids": text(n)}) for n in lens]
         base, per_tok, per_tok2 = fit_quadratic(np.array(lens), np.array(pre))
-        per_image = 0.0
+        per_image = per_visual = 0.0
         if img_id is not None and tpi:
             n = max(lens[len(lens) // 2], tpi + 32)
             image = PIL.Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
             with_img = best({"prompt_token_ids": text(n - tpi) + [img_id] * tpi, "multi_modal_data": {"image": [image]}})
             per_image = max(0.0, with_img - (base + n * per_tok + n * n * per_tok2))
+        elif cfg.get("image_token_id") is not None and cfg.get("vision_start_token_id") is not None:
+            per_visual = _grid_image_cost(llm, cfg, model, rng, max_pos)
 
         def step_s(b: int, ctx: int) -> float:
             def once() -> float:
@@ -173,11 +177,38 @@ def measure_profile(transfer_json: Path | None = None, *, model_dir: Path | None
         exposed = next(iter(row["transports"].values()))["layerwise"]["exposed_s"] or 0.0
         per_kv_token, note = exposed / row["prompt_len"], f"transfer from {transfer_json}"
     return Profile(prefill_base_s=base, prefill_per_token_s=per_tok, prefill_per_token2_s=per_tok2,
-                   prefill_per_image_s=per_image,
+                   prefill_per_image_s=per_image, prefill_per_visual_token_s=per_visual,
                    decode_base_s=d_base, decode_per_seq_s=d_seq, decode_per_ctx_token_s=per_ctx, max_decode_batch=64,
                    transfer_per_token_s=per_kv_token,
                    source=f"measured: {model.name}, engine.LLM, {threads} thread(s), {time.strftime('%Y-%m-%d')}; "
                           f"{note}")
+
+
+def _grid_image_cost(llm, cfg: dict, model: Path, rng, max_pos: int) -> float:
+    """Qwen3-VL (an image's tokens follow its size): the vision tower's seconds per image token, as the engine
+    times its tower calls (``metrics.vision_s``) for a prompt of the largest distinct images (up to 4) the context
+    holds, the best of three runs with the vision cache cleared before each."""
+    import PIL.Image
+
+    from engine import SamplingParams
+    from engine.models.qwen3_vl.image_processor import QwenVLImageProcessor
+
+    proc = QwenVLImageProcessor.from_pretrained(model)
+    pad, start, end = cfg["image_token_id"], cfg["vision_start_token_id"], cfg["vision_end_token_id"]
+    side, v = max(((s, proc.num_visual_tokens(s, s)) for s in (64, 128, 256, 512, 1024)), key=lambda x: (x[1], -x[0]))
+    k = max(1, min(4, (max_pos // 2 - 16) // (v + 2)))
+    vocab = cfg.get("text_config", cfg).get("vocab_size", 256)
+    ids = [int(t) for t in rng.integers(10, min(200, vocab), 8)]
+    for _ in range(k):
+        ids += [start] + [pad] * v + [end]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def once() -> float:
+        llm.engine.clear_vision_cache()
+        images = [PIL.Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)) for _ in range(k)]
+        out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}], one)[0]
+        return out.metrics.vision_s / (k * v)
+    return best_of(once)
 
 
 def _main() -> int:  # pragma: no cover

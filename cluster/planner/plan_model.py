@@ -37,6 +37,7 @@ class Profile:
     prefill_per_token_s: float = 1e-4
     prefill_per_token2_s: float = 0.0
     prefill_per_image_s: float = 0.0
+    prefill_per_visual_token_s: float = 0.0  # the vision tower's time per image token (images of any size)
     decode_base_s: float = 0.01
     decode_per_seq_s: float = 0.0
     decode_per_ctx_token_s: float = 0.0
@@ -60,9 +61,12 @@ class Profile:
         _check(self.prefill_base_s + self.prefill_per_token_s + self.prefill_per_token2_s > 0,
                "profile: a prefill must take time")
 
-    def prefill_s(self, tokens: np.ndarray, images: np.ndarray) -> np.ndarray:
-        return (self.prefill_base_s + tokens * self.prefill_per_token_s + tokens.astype(float) ** 2
-                * self.prefill_per_token2_s + images * self.prefill_per_image_s)
+    def prefill_s(self, tokens: np.ndarray, images: np.ndarray, visual: np.ndarray | None = None) -> np.ndarray:
+        """Prefill seconds of prompts of ``tokens`` tokens (image tokens included) with ``images`` images holding
+        ``visual`` image tokens (None: no per-visual-token term)."""
+        t = (self.prefill_base_s + tokens * self.prefill_per_token_s + tokens.astype(float) ** 2
+             * self.prefill_per_token2_s + images * self.prefill_per_image_s)
+        return t if visual is None else t + visual * self.prefill_per_visual_token_s
 
     def decode_step_s(self, batch: int, context_tokens: float) -> float:
         """One decode step over ``batch`` sequences holding ``context_tokens`` context tokens in all."""
@@ -117,7 +121,7 @@ class Workload:
         prompt = np.maximum(1, np.round(_lognormal(rng, self.prompt_mean, self.prompt_cv, n))).astype(np.int64)
         prompt += imgs * self.tokens_per_image
         out = np.maximum(1, np.round(_lognormal(rng, self.output_mean, self.output_cv, n))).astype(np.int64)
-        return Requests(np.cumsum(gaps), prompt, imgs, out)
+        return Requests(np.cumsum(gaps), prompt, imgs, out, imgs * self.tokens_per_image)
 
 
 def _lognormal(rng: np.random.Generator, mean: float, cv: float, n: int) -> np.ndarray:
@@ -129,12 +133,19 @@ def _lognormal(rng: np.random.Generator, mean: float, cv: float, n: int) -> np.n
 
 @dataclass(frozen=True)
 class Requests:
-    """Arrival times at rate 1 (``unit_arrivals``), prompt tokens (images included), images, output tokens."""
+    """Arrival times at rate 1 (``unit_arrivals``), prompt tokens (images included), images, output tokens, and
+    the image tokens among the prompt tokens (``visual``; None: not known, no per-visual-token cost)."""
 
     unit_arrivals: np.ndarray
     prompt: np.ndarray
     images: np.ndarray
     output: np.ndarray
+    visual: np.ndarray | None = None
+
+    def subset(self, idx: np.ndarray, time_scale: float = 1.0) -> Requests:
+        """The requests at ``idx``, their arrival times multiplied by ``time_scale``."""
+        return Requests(self.unit_arrivals[idx] * time_scale, self.prompt[idx], self.images[idx], self.output[idx],
+                        None if self.visual is None else self.visual[idx])
 
 
 @dataclass(frozen=True)
@@ -159,7 +170,7 @@ def simulate_prefill_pool(prof: Profile, req: Requests, rate: float, workers: in
     if policy not in ("fcfs", "shortest"):
         raise ValueError(f"policy must be 'fcfs' or 'shortest', got {policy!r}")
     arrive = (req.unit_arrivals / rate).tolist()
-    service = prof.prefill_s(req.prompt, req.images).tolist()
+    service = prof.prefill_s(req.prompt, req.images, req.visual).tolist()
     prompts = req.prompt.tolist()
     free = [0.0] * workers
     done = np.empty(len(arrive))
@@ -237,7 +248,7 @@ def simulate_colocated_gpu(prof: Profile, req: Requests, rate: float, *,
     colocated TPOT) while prompts that arrive together share one step. A prompt's first token comes at the end of its
     step; it decodes from the next."""
     arrive = (req.unit_arrivals / rate).tolist()
-    service = prof.prefill_s(req.prompt, req.images).tolist()
+    service = prof.prefill_s(req.prompt, req.images, req.visual).tolist()
     prompts, outs = req.prompt.tolist(), req.output.tolist()
     n = len(arrive)
     ttft, tpot, first = np.zeros(n), np.zeros(n), [0.0] * n

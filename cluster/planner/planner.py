@@ -4,8 +4,9 @@ Pure and seeded: the same profile, workload, SLO and seed give the same plan. On
 
 Model (all times in seconds; a *profile* says how fast one GPU/worker is, :class:`Profile`):
 
-* prefill of a prompt of ``n`` tokens with ``k`` images takes ``prefill_s(n, k) = base + n * per_token +
-  n**2 * per_token2 + k * per_image`` on one worker; the pool is one queue (a router sending each prompt to the
+* prefill of a prompt of ``n`` tokens with ``k`` images holding ``v`` image tokens takes ``prefill_s(n, k, v) =
+  base + n * per_token + n**2 * per_token2 + k * per_image + v * per_visual_token`` on one worker (the vision
+  tower's cost grows with the image: a Qwen3-VL image's tokens follow its size); the pool is one queue (a router sending each prompt to the
   first free worker; a heap of free times simulates it), and a worker that frees up prefills the prompts waiting for
   it together -- in arrival order, or shortest first as the engine's ``shortest`` policy -- up to a token budget, all
   of them ready at the end of that step (the simulators: :mod:`cluster.planner.plan_model`);
@@ -117,7 +118,7 @@ class _Planner:
         self._pool: dict[int, float] = {}
         # Work per request at full batch: a finite simulation cannot see a slow overload (the queue has no time to
         # grow), so a rate is only accepted below these capacities too (utilisation < 1).
-        self.prefill_work = float(np.mean(prof.prefill_s(self.base.prompt, self.base.images)))
+        self.prefill_work = float(np.mean(prof.prefill_s(self.base.prompt, self.base.images, self.base.visual)))
         b = prof.max_decode_batch
         ctx = b * float(np.mean(self.base.prompt + self.base.output / 2))
         step = prof.decode_step_s(b, ctx)
@@ -194,7 +195,7 @@ class _Planner:
                 order = idx[np.argsort(first, kind="stable")]
                 tpot[order] = simulate_decode_worker(self.prof, np.sort(first), req.prompt[order], req.output[order])
             else:
-                sub = Requests(req.unit_arrivals[idx] * workers, req.prompt[idx], req.images[idx], req.output[idx])
+                sub = req.subset(idx, workers)
                 ttft[idx], tpot[idx] = simulate_colocated_gpu(self.prof, sub, rate)
         tp = tpot[req.output > 1]
         return {"mode": mode.value, "rate": rate, **{f"ttft_p{q}_s": float(np.percentile(ttft, q)) for q in (50, 90)},

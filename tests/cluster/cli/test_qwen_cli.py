@@ -128,3 +128,13 @@ def test_a_template_without_image_parts_gets_the_placeholder_text(model_dir):
     as_text = render_chat(tok, cfg, messages)
     assert as_text == f"<|im_start|>user\n<image>{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
     assert as_text.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>") == with_parts
+
+
+def test_duet_plan_measures_the_vision_towers_cost_per_image_token(model_dir):
+    """``duet plan --profile-from-bench --model-dir`` on a Qwen3-VL checkpoint: images of two sizes give the tower's
+    cost per image token (its images have no fixed token count)."""
+    from cluster.cli.plan_cmd import measure_profile
+
+    prof = measure_profile(None, model_dir=model_dir, lens=(16, 32, 64), batches=(1, 2), contexts=(16, 32))
+    assert 0 < prof.prefill_per_visual_token_s < 0.1 and prof.prefill_per_image_s == 0  # per token, not per image
+    assert model_dir.name in prof.source

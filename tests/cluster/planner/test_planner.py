@@ -217,3 +217,16 @@ def test_taking_a_request_in_delays_the_decode_batch():
     got = simulate_decode_worker(slow, req.unit_arrivals, req.prompt, req.output)
     assert got[0] == pytest.approx((10 * 0.02 + 2 * 0.03) / 10)  # its own intake and B's
     assert got[1] > 0.02
+
+
+def test_the_vision_towers_cost_grows_with_the_image_tokens():
+    """A per-visual-token cost: a request whose images hold 4x the tokens costs 4x the tower time; the workload's
+    requests carry their image tokens so the simulators charge it; unknown image tokens (None) charge none."""
+    prof = Profile(prefill_per_token_s=1e-3, prefill_per_visual_token_s=2e-3, decode_base_s=0.02)
+    t = prof.prefill_s(np.array([100, 100]), np.array([1, 1]), np.array([64, 256]))
+    np.testing.assert_allclose(t, [0.1 + 0.128, 0.1 + 0.512])
+    np.testing.assert_allclose(prof.prefill_s(np.array([100]), np.array([1])), [0.1])
+    req = Workload(prompt_mean=32, image_fraction=1.0, tokens_per_image=256).sample(4, seed=0)
+    np.testing.assert_array_equal(req.visual, np.full(4, 256))
+    idle = simulate_prefill_pool(prof, req.subset(np.arange(4), 1000.0), 1.0, 1)  # far apart: no queueing
+    np.testing.assert_allclose(idle, (32 + 256) * 1e-3 + 256 * 2e-3)
