@@ -6,7 +6,6 @@ Single process, single thread. Node actors in ``prefill_node/`` and ``decode_nod
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 import logging
@@ -40,6 +39,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
+from engine.vision_stage import VisionStage
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +84,9 @@ class LLMEngine:
                                   device=self.device, vision_cache_size=config.vision_cache_size,
                                   mirror_tokens=pool.mirror_tokens, num_state_slots=self.num_state_slots,
                                   track_routing=hooks.track_routing, query_window=hooks.query_window)
+        self.encoding = VisionStage(self.runner, config.vision_slice_s)  # prompts whose images are being encoded
         self.inputs = InputProcessor(cfg, self.tokenizer, self.image_processor, max_len)
         self.requests: dict[str, Sequence] = {}
-        self.encoding: deque[Sequence] = deque()  # the vision stage (config.vision_slice_s), oldest first
         self._seq_ids = itertools.count()
         self._generator = torch.Generator().manual_seed(config.seed)
         # The per-request logits-processor hook (structured outputs): called once per sequence (each choice) with its
@@ -118,11 +118,8 @@ class LLMEngine:
                                       "be computed (such a prompt can only be preallocated for a transfer)")
         self._seed(seq)
         self.requests[request_id] = seq
-        if self.config.vision_slice_s is not None and seq.mm is not None and self.model_config.is_qwen_vl:
-            seq.metrics.vision_ahead = True
-            self.encoding.append(seq)  # joins the scheduler once its images are encoded (_advance_vision)
-        else:
-            self.scheduler.add(seq)
+        # a Qwen3-VL prompt with images joins the scheduler once they are encoded (the vision stage)
+        (self.encoding if self.encoding.takes(seq, self.model_config.is_qwen_vl) else self.scheduler).add(seq)
 
     def _seed(self, seq: Sequence) -> None:
         """Seeded requests: one generator per choice (choice 0's samples every first token of an ``n > 1`` request)."""
@@ -154,9 +151,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        if seq in self.encoding:  # still in the vision stage: no blocks yet
-            self.encoding.remove(seq)
-            self.runner.drop_vision(seq)
+        self.encoding.remove(seq)  # if still in the vision stage (no blocks yet)
         for q in seq.group:  # every choice of the request
             if q.finish_reason is None:
                 self._finish(q, "abort")
@@ -166,24 +161,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.encoding) or self.scheduler.has_unfinished()
 
-    def _advance_vision(self) -> None:
-        """The vision stage (``EngineConfig.vision_slice_s``): encode the waiting prompts' images, oldest first,
-        for about one slice; each prompt whose images are all encoded joins the scheduler."""
-        deadline = time.perf_counter() + self.config.vision_slice_s
-        while self.encoding:
-            seq = self.encoding[0]
-            if not self.runner.advance_vision(seq, deadline):
-                return
-            self.encoding.popleft()
-            self.scheduler.add(seq)
-            if time.perf_counter() >= deadline:
-                return
-
     # --------------------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """One schedule -> run -> postprocess iteration. Returns an output for each request that got a token."""
         if self.encoding:
-            self._advance_vision()
+            self.encoding.advance(self.scheduler)
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self.runner.release(seq)
@@ -414,7 +396,5 @@ class LLMEngine:
 
     def clear_vision_cache(self) -> int:
         """Forget every cached image encoding (benchmarks replaying the same images); returns how many there were."""
-        n = len(self.runner.vision_cache)
-        self.runner.vision_cache.clear()
-        return n
+        return self.runner.clear_vision_cache()
 

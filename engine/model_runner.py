@@ -156,6 +156,11 @@ class ModelRunner:
         self.encode_pending_images([seq])  # its images are all cached now: sets its features
         return True
 
+    def clear_vision_cache(self) -> int:
+        n = len(self.vision_cache)
+        self.vision_cache.clear()
+        return n
+
     def drop_vision(self, seq: Sequence) -> None:
         """Forget ``seq``'s tower call in progress (it was aborted)."""
         self._vision_jobs.pop(seq.seq_id, None)

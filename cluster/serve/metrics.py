@@ -18,7 +18,7 @@ Where each family comes from:
   that a background thread refreshes every ``refresh_s`` (``status()`` is a blocking Ray call, never made on a
   scrape);
 * the autoscaler (:meth:`Metrics.observe_decision`): decisions by pool and direction;
-* the GPUs (:class:`_GPUCollector`): memory and utilisation via pynvml when scraped; without pynvml or a GPU, no
+* the GPUs (:class:`~cluster.serve.gpu_metrics.GPUCollector`): memory and utilisation via pynvml when scraped; without pynvml or a GPU, no
   series and no error.
 """
 
@@ -42,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cluster.control import cluster_ops
+from cluster.serve.gpu_metrics import GPUCollector
 
 if TYPE_CHECKING:
     from cluster.serve.errors import ErrorInfo
@@ -92,7 +93,7 @@ class Metrics:
         self.sampler: ClusterSampler | None = None
         r.register(_KVCollector(kv_blocks))
         r.register(self.transfers)
-        r.register(_GPUCollector())
+        r.register(GPUCollector())
 
     def attach_cluster(self, cluster: Any, refresh_s: float = 5.0) -> ClusterSampler:
         """Export the cluster's pool sizes, worker queues, KV use and expert summary; returns the sampler (its
@@ -357,49 +358,3 @@ class _KVCollector:
             total.add_metric([worker], n_total)
         yield free
         yield total
-
-
-class _GPUCollector:
-    """GPU memory and utilisation via pynvml, initialised on the first scrape; any NVML failure (no library, no
-    driver, no GPU) turns the collector off for good rather than erroring every scrape."""
-
-    def __init__(self) -> None:
-        self._nvml: Any = None
-        self._disabled = False
-
-    def collect(self):
-        handles = self._handles()
-        if not handles:
-            return
-        used = GaugeMetricFamily("duet_gpu_memory_used_bytes", "GPU memory in use", labels=["gpu"])
-        total = GaugeMetricFamily("duet_gpu_memory_total_bytes", "GPU memory", labels=["gpu"])
-        util = GaugeMetricFamily("duet_gpu_utilization_ratio", "GPU busy fraction over the last sample period",
-                                 labels=["gpu"])
-        nv = self._nvml
-        try:
-            for i, h in enumerate(handles):
-                mem = nv.nvmlDeviceGetMemoryInfo(h)
-                used.add_metric([str(i)], float(mem.used))
-                total.add_metric([str(i)], float(mem.total))
-                util.add_metric([str(i)], nv.nvmlDeviceGetUtilizationRates(h).gpu / 100.0)
-        except Exception as e:  # noqa: BLE001 - pynvml raises NVMLError subclasses; never fail a scrape
-            logger.debug("GPU metrics unavailable: %s", e)
-            return
-        yield used
-        yield total
-        yield util
-
-    def _handles(self) -> list:
-        if self._disabled:
-            return []
-        try:
-            if self._nvml is None:
-                import pynvml
-
-                pynvml.nvmlInit()
-                self._nvml = pynvml
-            return [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(self._nvml.nvmlDeviceGetCount())]
-        except Exception as e:  # noqa: BLE001 - ImportError or NVMLError: no GPU metrics on this machine
-            logger.debug("no GPU metrics: %s", e)
-            self._disabled = True
-            return []
