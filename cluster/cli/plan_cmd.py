@@ -155,7 +155,7 @@ def measure_profile(transfer_json: Path | None = None, *, model_dir: Path | None
             with_img = best({"prompt_token_ids": text(n - tpi) + [img_id] * tpi, "multi_modal_data": {"image": [image]}})
             per_image = max(0.0, with_img - (base + n * per_tok + n * n * per_tok2))
         elif cfg.get("image_token_id") is not None and cfg.get("vision_start_token_id") is not None:
-            per_visual = _grid_image_cost(llm, cfg, model, rng, max_pos)
+            per_visual = _grid_image_cost(llm, cfg, model, rng)
 
         def step_s(b: int, ctx: int) -> float:
             def once() -> float:
@@ -184,10 +184,10 @@ def measure_profile(transfer_json: Path | None = None, *, model_dir: Path | None
                           f"{note}")
 
 
-def _grid_image_cost(llm, cfg: dict, model: Path, rng, max_pos: int) -> float:
+def _grid_image_cost(llm, cfg: dict, model: Path, rng) -> float:
     """Qwen3-VL (an image's tokens follow its size): the vision tower's seconds per image token, as the engine
-    times its tower calls (``metrics.vision_s``) for a prompt of the largest distinct images (up to 4) the context
-    holds, the best of three runs with the vision cache cleared before each."""
+    times its tower calls (``metrics.vision_s``) for a prompt of the largest distinct images (up to 4) the engine's
+    context holds, the best of three runs with the vision cache cleared before each."""
     import PIL.Image
 
     from engine import SamplingParams
@@ -195,8 +195,12 @@ def _grid_image_cost(llm, cfg: dict, model: Path, rng, max_pos: int) -> float:
 
     proc = QwenVLImageProcessor.from_pretrained(model)
     pad, start, end = cfg["image_token_id"], cfg["vision_start_token_id"], cfg["vision_end_token_id"]
-    side, v = max(((s, proc.num_visual_tokens(s, s)) for s in (64, 128, 256, 512, 1024)), key=lambda x: (x[1], -x[0]))
-    k = max(1, min(4, (max_pos // 2 - 16) // (v + 2)))
+    room = llm.engine.max_model_len - 16  # the prompt's text and one generated token
+    fits = [(s, v) for s in (64, 128, 256, 512, 1024) if (v := proc.num_visual_tokens(s, s)) + 2 <= room]
+    if not fits:
+        return 0.0
+    side, v = max(fits, key=lambda x: (x[1], -x[0]))
+    k = max(1, min(4, room // (v + 2)))
     vocab = cfg.get("text_config", cfg).get("vocab_size", 256)
     ids = [int(t) for t in rng.integers(10, min(200, vocab), 8)]
     for _ in range(k):
