@@ -164,8 +164,8 @@ class LLMEngine:
     # --------------------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """One schedule -> run -> postprocess iteration. Returns an output for each request that got a token."""
-        if self.encoding:
-            self.encoding.advance(self.scheduler)
+        if self.encoding.take_turn(self.scheduler):  # a vision slice (engine.vision_stage)
+            return []
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self.runner.release(seq)

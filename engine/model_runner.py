@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
@@ -56,7 +55,6 @@ class ModelRunner:
             else MRotaryEmbedding(t.rope_dim, t.rope_theta, max_model_len, t.mrope_section, device))
         self.mrope = t.mrope_section is not None
         self.vision_cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self._vision_jobs: dict[int, tuple[dict, Any]] = {}  # seq id -> (its images, the tower call in progress)
         self.vision_cache_size = vision_cache_size
         self.query_window = query_window  # > 0: keep the last queries of completing prompts per layer (KV importance)
         self.captured_queries: dict[int, torch.Tensor] = {}  # seq_id -> this layer's window, during a step
@@ -123,49 +121,12 @@ class ModelRunner:
         while len(self.vision_cache) > self.vision_cache_size:
             self.vision_cache.popitem(last=False)
 
-    def advance_vision(self, seq: Sequence, deadline: float) -> bool:
-        """Encode ``seq``'s images not cached yet in slices (Qwen3-VL: tower blocks, at least one, until
-        ``time.perf_counter()`` passes ``deadline``; other towers in one call); returns True once its features are
-        set. The tower's time counts in its ``metrics.vision_s``. An image another sequence is encoding now is
-        encoded again (the engine advances one sequence at a time, oldest first, so that is rare)."""
-        if seq.mm is None or seq.mm.features is not None:
-            return True
-        job = self._vision_jobs.get(seq.seq_id)
-        if job is None:
-            todo: dict[bytes, tuple[Sequence, int]] = {}
-            for i, h in enumerate(seq.mm.image_hashes):
-                if h not in self.vision_cache and h not in todo:
-                    todo[h] = (seq, i)
-            if not todo or not self.model.cfg.is_qwen_vl:
-                self.encode_pending_images([seq])  # cached, or a tower that runs in one call (timed there)
-                return True
-            t0 = time.perf_counter()
-            job = self._vision_jobs[seq.seq_id] = (todo, self.model.vision.start(*self._grid_inputs(todo)))
-            seq.metrics.vision_s += time.perf_counter() - t0
-        todo, tower_job = job
-        t0 = time.perf_counter()
-        try:
-            while not self.model.vision.advance(tower_job):
-                if time.perf_counter() >= deadline:
-                    return False
-            del self._vision_jobs[seq.seq_id]
-            feats, deepstack = self.model.vision.finish(tower_job)
-            self._cache_grid_features(todo, feats, torch.stack(deepstack) if deepstack else None)
-        finally:
-            seq.metrics.vision_s += time.perf_counter() - t0
-        self.encode_pending_images([seq])  # its images are all cached now: sets its features
-        return True
-
     def clear_vision_cache(self) -> int:
         n = len(self.vision_cache)
         self.vision_cache.clear()
         return n
 
-    def drop_vision(self, seq: Sequence) -> None:
-        """Forget ``seq``'s tower call in progress (it was aborted)."""
-        self._vision_jobs.pop(seq.seq_id, None)
-
-    def _grid_inputs(self, todo: dict[bytes, tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def grid_inputs(self, todo: dict[bytes, tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         patches = torch.cat([s.mm.pixels()[s.mm.patch_rows(i)] for s, i in todo.values()]).to(self.device)
         return patches, torch.from_numpy(np.stack([s.mm.grid_thw[i] for s, i in todo.values()]))
 
@@ -175,9 +136,9 @@ class ModelRunner:
             for h, f in zip(todo, self.model.encode_images(pixels), strict=True):
                 self.vision_cache[h] = f
             return
-        self._cache_grid_features(todo, *self.model.encode_grid_images(*self._grid_inputs(todo)))
+        self.cache_grid_features(todo, *self.model.encode_grid_images(*self.grid_inputs(todo)))
 
-    def _cache_grid_features(self, todo: dict[bytes, tuple[Sequence, int]], feats: torch.Tensor,
+    def cache_grid_features(self, todo: dict[bytes, tuple[Sequence, int]], feats: torch.Tensor,
                              deepstack: torch.Tensor | None) -> None:
         """Qwen3-VL: one tower call's rows, split per image into the vision cache."""
         start = 0

@@ -2,22 +2,31 @@
 scheduler.
 
 :meth:`LLMEngine.add_request <engine.llm_engine.LLMEngine.add_request>` puts a Qwen3-VL prompt with images here
-instead of in the scheduler; at the start of each step :meth:`VisionStage.advance` runs the vision tower for about one
-slice (whole tower blocks, at least one: :meth:`ModelRunner.advance_vision
-<engine.model_runner.ModelRunner.advance_vision>`), oldest prompt first, and each prompt whose images are all encoded
-joins the scheduler. A prompt without images to encode never waits here, so it passes the images being encoded.
+instead of in the scheduler; every other engine step (:meth:`VisionStage.take_turn`; every step when the scheduler has
+nothing to do) runs the vision tower for about one slice, oldest prompt first, and each prompt whose images are all
+encoded joins the scheduler. A prompt without images
+to encode never waits here, so it passes the images being encoded.
+
+The tower runs in pieces of ``VISION_SLICE_ROWS`` output rows of one block (:meth:`QwenVisionTower.advance
+<engine.models.qwen3_vl.vision.QwenVisionTower.advance>`: a block's keys and values first, then its rows), at least one
+piece per step, until the slice's time is spent. A 1024x1024 image (4,096 patches) takes ~0.3 s a block on one core
+of this kind, so a slice is ~40 ms of work rather than a whole block.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
     from engine.scheduler import Scheduler
     from engine.sequence import Sequence
+
+VISION_SLICE_ROWS = 512  # tower output rows per piece
 
 
 class VisionStage:
@@ -26,6 +35,8 @@ class VisionStage:
     def __init__(self, runner: ModelRunner, slice_s: float | None) -> None:
         self.runner, self.slice_s = runner, slice_s
         self.queue: deque[Sequence] = deque()
+        self.jobs: dict[int, tuple[dict, Any]] = {}  # seq id -> (its images to encode, the tower call in progress)
+        self._turn = True  # the next step with work on both sides is a slice here
 
     def __bool__(self) -> bool:
         return bool(self.queue)
@@ -46,7 +57,20 @@ class VisionStage:
         if seq not in self.queue:
             return False
         self.queue.remove(seq)
-        self.runner.drop_vision(seq)
+        self.jobs.pop(seq.seq_id, None)
+        return True
+
+    def take_turn(self, scheduler: Scheduler) -> bool:
+        """Whether this engine step is the stage's (it then advanced): while the scheduler has work too, steps
+        alternate between a slice here and a scheduler step, so a prompt ready for the language model waits at most one
+        slice, and images are not starved by a stream of text."""
+        if not self.queue:
+            return False
+        if scheduler.has_unfinished() and not self._turn:
+            self._turn = True
+            return False
+        self._turn = False
+        self.advance(scheduler)
         return True
 
     def advance(self, scheduler: Scheduler) -> None:
@@ -54,9 +78,40 @@ class VisionStage:
         deadline = time.perf_counter() + self.slice_s
         while self.queue:
             seq = self.queue[0]
-            if not self.runner.advance_vision(seq, deadline):
+            if not self._encode(seq, deadline):
                 return
             self.queue.popleft()
             scheduler.add(seq)
             if time.perf_counter() >= deadline:
                 return
+
+    def _encode(self, seq: Sequence, deadline: float) -> bool:
+        """Advance ``seq``'s images not cached yet until ``deadline`` (at least one piece); True once its features
+        are set. The tower's time counts in its ``metrics.vision_s``. An image another prompt is encoding now is
+        encoded again (one prompt is advanced at a time, oldest first, so that is rare)."""
+        runner, tower = self.runner, self.runner.model.vision
+        job = self.jobs.get(seq.seq_id)
+        if job is None:
+            todo: dict[bytes, tuple[Sequence, int]] = {}
+            for i, h in enumerate(seq.mm.image_hashes):
+                if h not in runner.vision_cache and h not in todo:
+                    todo[h] = (seq, i)
+            if not todo:
+                runner.encode_pending_images([seq])  # every image cached: sets its features
+                return True
+            t0 = time.perf_counter()
+            job = self.jobs[seq.seq_id] = (todo, tower.start(*runner.grid_inputs(todo)))
+            seq.metrics.vision_s += time.perf_counter() - t0
+        todo, tower_job = job
+        t0 = time.perf_counter()
+        try:
+            while not tower.advance(tower_job, rows=VISION_SLICE_ROWS):
+                if time.perf_counter() >= deadline:
+                    return False
+            del self.jobs[seq.seq_id]
+            feats, deepstack = tower.finish(tower_job)
+            runner.cache_grid_features(todo, feats, torch.stack(deepstack) if deepstack else None)
+        finally:
+            seq.metrics.vision_s += time.perf_counter() - t0
+        runner.encode_pending_images([seq])  # its images are all cached now: sets its features
+        return True

@@ -360,7 +360,25 @@ def test_the_vision_stage_encodes_in_slices_and_lets_text_pass(hf_dir):
     eng.add_request("gone", request(build_prompt([image(22, SIZES["47x133"])], hf_dir), [image(22, SIZES["47x133"])]),
                     greedy(2))
     eng.step()
-    assert eng.encoding and eng.runner._vision_jobs
-    assert eng.abort_request("gone") and not eng.encoding and not eng.runner._vision_jobs
+    assert eng.encoding and eng.encoding.jobs
+    assert eng.abort_request("gone") and not eng.encoding and not eng.encoding.jobs
     assert not eng.has_unfinished_requests()
     assert_no_leaked_blocks(llm)
+
+
+def test_the_tower_run_by_rows_equals_the_whole_call(hf_dir):
+    """QwenVisionTower.advance(rows=...): a block's rows in pieces (each row attends to its whole image, images of
+    two sizes in one call) give the whole call's features and DeepStack levels."""
+    ims = [image(31, SIZES["100x61"]), image(32, SIZES["47x133"])]
+    pv, grid = QwenVLImageProcessor.from_pretrained(hf_dir)(ims)
+    tower = LLM(hf_dir, **ENGINE).engine.runner.model.vision
+    whole, whole_ds = tower(torch.as_tensor(pv), torch.as_tensor(grid))
+    job = tower.start(torch.as_tensor(pv), torch.as_tensor(grid))
+    pieces = 0
+    while not tower.advance(job, rows=7):
+        pieces += 1
+    feats, ds = tower.finish(job)
+    assert pieces > len(tower.blocks)  # more than one piece a block
+    torch.testing.assert_close(feats, whole)
+    for a, b in zip(ds, whole_ds, strict=True):
+        torch.testing.assert_close(a, b)

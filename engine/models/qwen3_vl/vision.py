@@ -52,17 +52,39 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                 segments: list[tuple[int, int, int]]) -> torch.Tensor:
-        s, h = x.shape[0], self.num_heads
-        qkv = self.qkv(x).view(s, 3, h, self.head_dim)
-        # As the reference: rotate in float32, cast back; q and k in one pass (same table for both).
-        qk = apply_rotary(qkv[:, :2].reshape(s, 2 * h, self.head_dim).float(), cos, sin_signed).to(x.dtype)
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, 2]
+        q, k, v = self.project(x, cos, sin_signed)
+        h = self.num_heads
         out = []
         for start, frames, n in segments:  # `frames` frames of `n` tokens each, attended frame by frame
             # contiguous [frames, heads, n, head_dim]: the CPU flash kernel runs ~6% faster than on strided views
             q_, k_, v_ = (y[start:start + frames * n].view(frames, n, h, self.head_dim).transpose(1, 2).contiguous()
                           for y in (q, k, v))
             out.append(F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2).reshape(frames * n, -1))
+        return self.proj(out[0] if len(out) == 1 else torch.cat(out))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[tokens, heads, head_dim]``, q and k rotated."""
+        s, h = x.shape[0], self.num_heads
+        qkv = self.qkv(x).view(s, 3, h, self.head_dim)
+        # As the reference: rotate in float32, cast back; q and k in one pass (same table for both).
+        qk = apply_rotary(qkv[:, :2].reshape(s, 2 * h, self.head_dim).float(), cos, sin_signed).to(x.dtype)
+        return qk[:, :h], qk[:, h:], qkv[:, 2]
+
+    def rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[tuple[int, int, int]],
+             r0: int, r1: int) -> torch.Tensor:
+        """The attention output of query rows ``[r0, r1)`` only (each row attends to its own frame, as
+        :meth:`forward`), projected: ``[r1 - r0, hidden]``."""
+        h, out = self.num_heads, []
+        for start, frames, n in segments:
+            for f in range(frames):
+                lo, hi = start + f * n, start + (f + 1) * n
+                a, b = max(lo, r0), min(hi, r1)
+                if a >= b:
+                    continue
+                q_ = q[a:b].unsqueeze(0).transpose(1, 2).contiguous()
+                k_, v_ = (y[lo:hi].unsqueeze(0).transpose(1, 2).contiguous() for y in (k, v))
+                out.append(F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2).reshape(b - a, -1))
         return self.proj(out[0] if len(out) == 1 else torch.cat(out))
 
 
@@ -89,6 +111,13 @@ class Block(nn.Module):
                 segments: list[tuple[int, int, int]]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin_signed, segments)
         return x + self.mlp(self.norm2(x))
+
+    def rows(self, x: torch.Tensor, qkv: tuple[torch.Tensor, ...], segments: list[tuple[int, int, int]],
+             r0: int, r1: int) -> torch.Tensor:
+        """Output rows ``[r0, r1)`` of :meth:`forward`, given ``qkv = self.attn.project(self.norm1(x), ...)``
+        (every row's keys and values: a row attends to its whole frame)."""
+        y = x[r0:r1] + self.attn.rows(*qkv, segments, r0, r1)
+        return y + self.mlp(self.norm2(y))
 
 
 class PatchMerger(nn.Module):
@@ -118,6 +147,9 @@ class VisionJob:
     segments: list[tuple[int, int, int]]
     next_block: int = 0
     deepstack: list[torch.Tensor] = field(default_factory=list)
+    # a block run by rows (advance(rows=...)): its q, k, v, the output so far, and the next row to compute
+    partial: tuple[torch.Tensor, ...] | None = None
+    next_row: int = 0
 
 
 class QwenVisionTower(nn.Module):
@@ -150,17 +182,34 @@ class QwenVisionTower(nn.Module):
         pos, cos, sin_signed = self._position_tables(grids, w.device)
         return VisionJob(x + pos.to(x.dtype), cos, sin_signed, _segments(grids))
 
-    def advance(self, job: VisionJob, *, blocks: int = 1) -> bool:
-        """Run up to ``blocks`` more blocks of ``job``; returns whether every block has run."""
+    def advance(self, job: VisionJob, *, blocks: int = 1, rows: int | None = None) -> bool:
+        """Run up to ``blocks`` more blocks of ``job``, or with ``rows`` at most that many more output rows of the
+        block in progress (its keys and values are computed for all rows first); returns whether every block has
+        run."""
+        if rows is not None and job.next_block < len(self.blocks):
+            blk = self.blocks[job.next_block]
+            if job.partial is None:
+                job.partial = (*blk.attn.project(blk.norm1(job.x), job.cos, job.sin_signed), torch.empty_like(job.x))
+                job.next_row = 0
+            r0, r1 = job.next_row, min(job.x.shape[0], job.next_row + max(1, rows))
+            job.partial[3][r0:r1] = blk.rows(job.x, job.partial[:3], job.segments, r0, r1)
+            job.next_row = r1
+            if r1 == job.x.shape[0]:
+                job.x, job.partial = job.partial[3], None
+                self._end_block(job)
+            return job.next_block == len(self.blocks)
+        assert job.partial is None, "a block run by rows is finished by rows"
         for _ in range(blocks):
             if job.next_block == len(self.blocks):
                 break
-            i = job.next_block
-            job.x = self.blocks[i](job.x, job.cos, job.sin_signed, job.segments)
-            if (j := self._deepstack_at.get(i)) is not None:
-                job.deepstack.append(self.deepstack_merger_list[j](job.x))
-            job.next_block += 1
+            job.x = self.blocks[job.next_block](job.x, job.cos, job.sin_signed, job.segments)
+            self._end_block(job)
         return job.next_block == len(self.blocks)
+
+    def _end_block(self, job: VisionJob) -> None:
+        if (j := self._deepstack_at.get(job.next_block)) is not None:
+            job.deepstack.append(self.deepstack_merger_list[j](job.x))
+        job.next_block += 1
 
     def finish(self, job: VisionJob) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The merged features and DeepStack levels of a job whose blocks have all run."""
