@@ -211,7 +211,10 @@ async def _stream(request: web.Request, events: AsyncIterator, meta: dict, kind:
                         await send(chunk(end.index, text, None))
                     for call in calls:
                         await send(tool_chunk(end.index, call))
-                    await send(chunk(end.index, None, reply.finish_reason(end.index, _finish(end.finish_reason))))
+                    last = chunk(end.index, None, reply.finish_reason(end.index, _finish(end.finish_reason)))
+                    if end is ev.choices[-1]:  # the request's timeline rides on its last finish chunk
+                        last["duet_timeline"] = ev.timeline
+                    await send(last)
                 if include_usage:
                     await send({**meta, "object": f"{kind}.chunk" if chat else kind, "choices": [],
                                 "usage": _usage(ev)})

@@ -140,6 +140,9 @@ def test_penalties_stop_lists_and_usage(oai, local, serve_cluster):
                                          echo=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices).startswith("red")
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 4
+    ends = [c for c in chunks if c.choices and c.choices[0].finish_reason]  # the timeline rides on the last one
+    timeline = (ends[-1].model_extra or {}).get("duet_timeline")
+    assert timeline and sum(timeline["ttft_breakdown"].values()) == pytest.approx(timeline["ttft_s"], abs=1e-6)
     c = oai.chat.completions.create(model="duet-demo", messages=[{"role": "user", "content": "Describe the image."}],
                                     max_completion_tokens=3, temperature=0)
     assert c.usage.completion_tokens == 3 and c.choices[0].finish_reason == "length"
