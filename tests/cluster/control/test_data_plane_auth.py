@@ -23,6 +23,7 @@ from node_common import messages
 from tests.conftest import greedy, make_request
 
 TRANSPORTS = ["gloo", "grpc"]
+REFUSED = "KV data plane refused"  # the line a worker logs per refusal (kv_transfer.auth.Refusals.add)
 
 
 def _stranger(transport: str, endpoint: str) -> None:
@@ -50,6 +51,7 @@ def test_stranger_is_refused_and_requests_match_local(transport, ray_cluster, ti
         key = c._secret._key
         decode = c.decodes[0].actor
         endpoint = messages.unpack(ray.get(decode.stats.remote(), timeout=30))["kv_endpoint"]
+        refusals_logged = _ray_logs().count(REFUSED)  # the session's logs hold earlier tests' lines too
         _stranger(transport, endpoint)
         prompts = [make_request(6 + i, seed=40 + i) for i in range(3)]
         got = c.generate_batch(prompts, greedy(5))
@@ -62,7 +64,10 @@ def test_stranger_is_refused_and_requests_match_local(transport, ray_cluster, ti
     finally:
         c.shutdown()
     out, err = capfd.readouterr()
-    logs = out + err + caplog.text + _ray_logs()
+    time.sleep(0.5)  # let the workers' last lines reach their files
+    worker_logs = _ray_logs()
+    assert worker_logs.count(REFUSED) > refusals_logged  # the logs searched below are this run's workers'
+    logs = out + err + caplog.text + worker_logs
     for form in (key.hex(), base64.b64encode(key).decode(), base64.urlsafe_b64encode(key).decode(), repr(key)):
         assert form not in logs
 
@@ -75,17 +80,16 @@ def test_auth_knob_is_validated(tiny_model_dir):
 
 
 def _ray_logs() -> str:
-    """The text of this Ray session's worker logs (actors log there: the driver has log_to_driver off)."""
+    """The text of this Ray session's worker logs (actors log there: the driver has log_to_driver off). Raises when
+    there is no log to read: an empty read would let "the secret is in no log" pass without looking."""
     import ray
 
-    time.sleep(0.5)  # let the workers' last lines reach their files
-    try:
-        root = ray._private.worker._global_node.get_session_dir_path()
-    except AttributeError:
-        return ""
+    root = ray._private.worker._global_node.get_session_dir_path()
+    paths = [p for p in glob.glob(os.path.join(root, "logs", "*"))
+             if os.path.isfile(p) and p.endswith((".out", ".err", ".log"))]
+    assert paths, f"no Ray log file under {root}/logs"
     text = []
-    for path in glob.glob(os.path.join(root, "logs", "*")):
-        if os.path.isfile(path) and path.endswith((".out", ".err", ".log")):
-            with open(path, errors="replace") as f:
-                text.append(f.read())
+    for path in paths:
+        with open(path, errors="replace") as f:
+            text.append(f.read())
     return "".join(text)
