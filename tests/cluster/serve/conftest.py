@@ -3,7 +3,8 @@
 * ``serve_cluster`` (package scope): one :class:`DisaggCluster` (1 prefill + 1 decode, gloo) on the demo model, on
   the session's shared Ray cluster; front-ends (:class:`ServerThread`) are started over it per module.
 * :func:`png_header_only` forges a PNG that declares any size in a few dozen bytes (a decompression-bomb probe);
-  :func:`wait_idle` waits until no worker holds a request or a KV block and returns how long that took.
+  :func:`wait_idle` waits until no worker holds a request or a KV block and returns how long that took;
+  :func:`requests_counted` reads a front-end's request counter for one outcome.
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ def wait_idle(cluster, timeout_s: float = 10.0) -> float:
             return time.monotonic() - t0
         assert time.monotonic() - t0 < timeout_s, f"workers still busy after {timeout_s} s: {states}"
         time.sleep(0.02)
+
+
+def requests_counted(http, outcome: str, api: str = "grpc") -> float:
+    """``duet_requests_total{api, outcome}`` from the front-end's ``/metrics`` (``http``: an httpx client on it)."""
+    prefix = f'duet_requests_total{{api="{api}",outcome="{outcome}"}} '
+    return next((float(line.split()[-1]) for line in http.get("/metrics").text.splitlines()
+                 if line.startswith(prefix)), 0.0)
 
 
 @pytest.fixture(scope="package")

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -14,7 +16,7 @@ import torch
 from cluster.demo import default_model_dir
 from cluster.serve import ServeConfig, ServerThread
 from engine import LLM, SamplingParams
-from tests.cluster.serve.conftest import wait_idle
+from tests.cluster.serve.conftest import requests_counted, wait_idle
 
 PROMPT = [5, 17, 42, 9, 33, 2, 71, 8, 19]  # token ids: /v1/completions takes them as they are
 LOGPROB_TOL = 1e-4  # served (prefill + decode workers) vs a local engine: the same ops in other processes
@@ -113,12 +115,23 @@ def test_n_choices_come_from_one_prefill_with_per_choice_seeds(oai, serve_cluste
 
 
 def test_cancelling_an_n_request_frees_every_choice(server, serve_cluster):
-    body = {"model": "duet-demo", "prompt": PROMPT, "max_tokens": 400, "n": 3, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{server.http_url}/v1/completions", json=body, timeout=60) as r:
-        for i, _ in enumerate(r.iter_lines()):
-            if i > 6:
-                break
-    wait_idle(serve_cluster)
+    """The stream started (200, a token of every choice), the client left: the request is cancelled, not run to its
+    900 tokens, and its workers hold nothing within a second."""
+    body = {"model": "duet-demo", "prompt": PROMPT, "max_tokens": 900, "n": 3, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server.http_url, timeout=60) as http:
+        before = requests_counted(http, "cancelled", api="http")
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            started: set[int] = set()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started |= {c["index"] for c in json.loads(line[len("data: "):])["choices"] if c["text"]}
+                if started == {0, 1, 2}:
+                    break
+            else:
+                pytest.fail(f"the stream ended before every choice had a token: {started}")
+        assert wait_idle(serve_cluster, timeout_s=5) < 1.0
+        assert requests_counted(http, "cancelled", api="http") == before + 1
 
 
 def test_penalties_stop_lists_and_usage(oai, local, serve_cluster):

@@ -27,7 +27,7 @@ from duet_client import (
 )
 from duet_client._proto.duet.v1 import duet_pb2 as pb
 from duet_client._proto.duet.v1 import duet_pb2_grpc as pb_grpc
-from tests.cluster.serve.conftest import SHAPES_ANSWER, png_header_only, wait_idle
+from tests.cluster.serve.conftest import SHAPES_ANSWER, png_header_only, requests_counted, wait_idle
 
 TOKEN = "s3cret"
 SHAPES = Path(__file__).resolve().parents[3] / "examples" / "shapes.png"
@@ -65,12 +65,6 @@ def http(server):
 
 def _data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
-def _requests_counted(http, outcome: str, api: str = "grpc") -> float:
-    prefix = f'duet_requests_total{{api="{api}",outcome="{outcome}"}} '
-    return next((float(line.split()[-1]) for line in http.get("/metrics").text.splitlines()
-                 if line.startswith(prefix)), 0.0)
 
 
 def _assert_no_leaks(cluster) -> None:
@@ -280,13 +274,13 @@ LONG = {"raw_prompt": True, "max_tokens": 900, "ignore_eos": True}  # ~900 decod
 
 
 def test_client_cancel_mid_stream_frees_both_workers_within_a_second(client, serve_cluster, http):
-    before = _requests_counted(http, "cancelled")
+    before = requests_counted(http, "cancelled")
     stream = client.generate("red", **LONG)
     first = next(stream)
     assert first.token_ids
     stream.close()
     assert wait_idle(serve_cluster, timeout_s=5) < 1.0
-    assert _requests_counted(http, "cancelled") == before + 1  # cut short, not run to the end
+    assert requests_counted(http, "cancelled") == before + 1  # cut short, not run to the end
 
 
 def test_deadline_exceeded_aborts_the_request(client, serve_cluster):
@@ -313,13 +307,13 @@ def test_async_cancel_and_abort_by_id(server, serve_cluster):
 
 
 def test_http_client_disconnect_aborts_the_request(http, serve_cluster):
-    before = _requests_counted(http, "cancelled", api="http")
+    before = requests_counted(http, "cancelled", api="http")
     with http.stream("POST", "/v1/completions", json={"prompt": "red", "max_tokens": 900, "ignore_eos": True,
                                                        "stream": True}) as r:
         assert r.status_code == 200
         next(r.iter_lines())
     assert wait_idle(serve_cluster, timeout_s=5) < 1.0
-    assert _requests_counted(http, "cancelled", api="http") == before + 1
+    assert requests_counted(http, "cancelled", api="http") == before + 1
 
 
 # ----------------------------------------------------------------------------------------------- cap and load
