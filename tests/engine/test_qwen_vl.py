@@ -317,7 +317,8 @@ def test_cuda_bfloat16_follows_transformers(ckpts):
     comparison differs by up to 0.11 over these three steps, logits up to 10 where a bf16 ulp is 0.0625): logits
     are compared within :data:`BF16_ATOL` + :data:`BF16_RTOL` of their size. Those bounds also settle a token that
     differs: it must be a tie the rounding decides (the reference ranks both within twice the bound), and the
-    sequences share no prefix after it, so the comparison ends there (on CPU the third step's top two are 0.03 apart)."""
+    sequences share no prefix after it, so the comparison ends there (on CPU the third step's top two are 0.03
+    apart)."""
     path = ckpts("hf-bf16", dtype="bfloat16")
     images = [image(14, SIZES["150x170"]), image(15, SIZES["47x133"])]
     ids = build_prompt(images, path)
