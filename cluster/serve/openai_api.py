@@ -83,15 +83,23 @@ class _Reply:
     def __init__(self, service: InferenceService, inp: GenerateInput, body: dict, chat: bool) -> None:
         self.chat, self.tok = chat, service.cluster.tokenizer
         self.want_logprobs = inp.sampling.logprobs is not None
-        self.echo = ""
-        if not chat and body.get("echo"):
-            self.echo = inp.prompt if inp.prompt is not None else token_text_of(self.tok, inp.prompt_token_ids or [])
+        self._echo: str | None = None  # built on first use: after the request was validated (its ids in the vocab)
+        self._echo_of = inp if not chat and body.get("echo") else None
         self.streaming = bool(body.get("stream"))
         self.offsets: dict[int, int] = {}  # completions: text returned so far per choice (logprobs text_offset)
         self.prompt: dict | None = None  # echo with logprobs: the prompt tokens' logprobs (completions' shape)
         # chat with tools: the model family's tool-call parser (sets the calls' grammar for required / named)
         self.parser = tool_parser(inp.tools, inp.sampling, service.cluster.inputs.cfg.text.model_type) if chat else None
         self.tool_streams: dict[int, ToolStream] = {}
+
+    @property
+    def echo(self) -> str:
+        """The prompt's text when the request asked for ``echo`` (else ""); read only once the first event came."""
+        if self._echo is None:
+            inp = self._echo_of
+            self._echo = "" if inp is None else (
+                inp.prompt if inp.prompt is not None else token_text_of(self.tok, inp.prompt_token_ids or []))
+        return self._echo
 
     def note(self, ev: DeltaEvent) -> None:
         if ev.prompt_logprobs is not None and self.echo and self.want_logprobs:

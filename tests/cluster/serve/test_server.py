@@ -256,6 +256,9 @@ def test_http_shape_errors(http, server):
     r = httpx.post(f"{server.http_url}/v1/chat/completions", json={}, headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert http.get("/v1/nothing").status_code == 404
+    for stream in (False, True):  # echo of a token id past the vocabulary: the 400 of any such id, not a 500
+        r = http.post("/v1/completions", json={"prompt": [4294967296], "echo": True, "stream": stream})
+        assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"], r.text
 
 
 def test_wrong_or_missing_token_is_unauthenticated(server):
