@@ -43,7 +43,7 @@ class DecodeActor(WorkerActorBase):
                  expert_tiers: dict | None = None, secret: ClusterSecret | None = None) -> None:
         self._init_common(worker_id, num_threads, cpus)
         # secret: the cluster's data-plane key (None: data_plane_auth "off"), a constructor argument pickled by Ray
-        self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret)
+        self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret, insecure=secret is None)
         ep = None if expert_parallel is None else ExpertParallelConfig(**expert_parallel)
         self.worker = DecodeWorker(model_dir, EngineConfig(**engine_config), self.manager,
                                    lease=LeasePolicy(lease_base_s, lease_min_rate_bps), compression=compression,

@@ -134,7 +134,7 @@ def gloo_gbps(nbytes: int = 64 << 20, layers: int = 4, reps: int = 3) -> float:
     blocks = max(1, nbytes // layers // layout.layer_nbytes(1))
     k = torch.randn(layout.block_shape(blocks))
     best = 0.0
-    with Manager() as src, Manager() as dst:
+    with Manager(insecure=True) as src, Manager(insecure=True) as dst:
         for rep in range(reps + 1):
             lease = dst.lease(f"rate-{rep}", num_blocks=blocks, layout=layout)
             dst.expect(lease, lambda *a, **kw: None)

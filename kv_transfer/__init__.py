@@ -28,7 +28,7 @@ States only move forward (:class:`KVPoll` is ordered); FAILED carries a typed :c
 (``failure_exception()``). Every wait is bounded and every transfer ends by its lease deadline at the latest.
 """
 
-from kv_transfer.auth import ClusterSecret
+from kv_transfer.auth import ClusterSecret, MissingSecret
 from kv_transfer.base import (
                               DEFAULT_LEASE,
                               ChecksumMismatch,
@@ -86,6 +86,7 @@ __all__ = [
                               "LeasePolicy",
                               "Method",
                               "MissingLayer",
+                              "MissingSecret",
                               "ModalCodec",
                               "PeerUnavailable",
                               "ProtocolError",

@@ -12,10 +12,17 @@ Derivations (HMAC-SHA256 throughout; the labels keep the uses apart, so no deriv
     pair_token(key)    = HMAC(secret,     "duet/kv/pair/v1" 0 pair_key)
     join_proof         = HMAC(pair_token, "join" 0 challenge)   the joiner's answer to the decode side's challenge
     pair_namespace     = HMAC(pair_token, "ns" 0 challenge)     prefix of the pair's TCPStore keys (unguessable)
+    join_claim         = HMAC(pair_token, "claim" 0 slot)       a join record's credential (no challenge without it)
+    link_key(side)     = HMAC(secret,     "duet/kv/link/v1" 0 link_id 0 side)   a link's ping / bye, one per sender
 
 Frame MAC: ``HMAC(frame_key, pack(header without "mac") || payload)``; the header carries ``"lease"`` (the lease id)
 and ``"seq"`` (per lease and direction; a side accepts only a seq greater than the last it accepted). CUDA payloads
-(the nccl transport) are not hashed: their header's per-block crc32s are, and the pair itself was admitted.
+(the nccl transport) are not hashed: their header's per-block crc32s are, and the pair itself was admitted. A link's
+own frames (``ping``, ``bye``) carry ``"seq"`` and ``"mac"`` under the key of the side that sent them
+(:class:`LinkAuth`), so a forged ``bye`` cannot close a link, and a side's frames reflected back to it do not verify.
+
+Managers fail closed: a transport that crosses processes raises :class:`MissingSecret` when it is built with neither
+a secret nor the explicit ``insecure=True`` (``data_plane_auth: "off"``).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import logging
 import secrets
 import threading
 from collections import Counter
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,6 +45,12 @@ from kv_transfer.lease import Lease
 log = logging.getLogger(__name__)
 SECRET_BYTES = 32
 MAC_FIELD = "mac"
+Payload = torch.Tensor | Sequence[bytes] | None  # a tensor, or a payload still in the messages it arrived in
+
+
+class MissingSecret(ValueError):
+    """A KV manager whose transport crosses processes was built with neither a cluster secret nor the explicit
+    ``insecure=True``: it would accept frames from anyone who reaches its port, so it is not built."""
 
 
 class ClusterSecret:
@@ -103,57 +117,93 @@ def pair_namespace(secret: ClusterSecret, pair_key: str, challenge: bytes) -> st
     return _mac(pair_token(secret, pair_key), "ns", challenge)[:16].hex()
 
 
-class LeaseAuth:
-    """One side's MAC state for one lease: seals outgoing frames, verifies incoming ones. Thread-safe."""
+def join_claim(secret: ClusterSecret, pair_key: str, slot: int) -> bytes:
+    return _mac(pair_token(secret, pair_key), "claim", str(slot))
 
-    def __init__(self, secret: ClusterSecret, request_id: str, lease_id: str) -> None:
-        self.request_id, self.lease_id = request_id, lease_id
-        self._key = _mac(lease_token(secret, request_id, lease_id), "frame")
+
+class FrameAuth:
+    """One side's MAC state for one stream of frames: seals outgoing frames with ``seal_key`` and verifies incoming
+    ones with ``verify_key``; ``bound_field`` (when set) names the header field that must hold ``bound_to``.
+    Thread-safe. Messages name the stream as ``what``; nothing here shows a key."""
+
+    bound_field: ClassVar[str | None] = None
+
+    def __init__(self, seal_key: bytes, verify_key: bytes, *, what: str, bound_to: str | None = None) -> None:
+        self._seal_key, self._verify_key, self._bound_to, self._what = seal_key, verify_key, bound_to, what
         self._lock = threading.Lock()
         self._next_seq, self._last_seen = 0, -1
 
     def __repr__(self) -> str:
-        return f"LeaseAuth({self.request_id!r})"
+        return f"{type(self).__name__}({self._what})"
 
-    def seal(self, header: dict[str, Any], payload: torch.Tensor | None) -> dict[str, Any]:
-        """``header`` with the lease id, the next seq and the MAC (call in transmit order)."""
+    def seal(self, header: dict[str, Any], payload: Payload) -> dict[str, Any]:
+        """``header`` with the binding, the next seq and the MAC (call in transmit order)."""
         with self._lock:
             seq, self._next_seq = self._next_seq, self._next_seq + 1
-        header = {**header, "lease": self.lease_id, "seq": seq}
-        header[MAC_FIELD] = self._frame_mac(header, payload)
+        header = {**header, "seq": seq} if self.bound_field is None else \
+            {**header, self.bound_field: self._bound_to, "seq": seq}
+        header[MAC_FIELD] = _frame_mac(self._seal_key, header, payload)
         return header
 
-    def verify(self, header: dict[str, Any], payload: torch.Tensor | None) -> None:
+    def verify(self, header: dict[str, Any], payload: Payload) -> None:
         """Accept a frame or raise: :class:`LeaseMismatch` (bound to another lease), :class:`Unauthenticated`
-        (no MAC or a wrong one), :class:`FrameReplayed` (a seq already accepted). Nothing changes on a refusal."""
-        if "lease" not in header or MAC_FIELD not in header:
-            raise Unauthenticated(f"request {self.request_id!r}: a {header.get('kind')!r} frame without credentials")
-        if header.get("lease") != self.lease_id:
-            raise LeaseMismatch(f"request {self.request_id!r}: a {header.get('kind')!r} frame bound to another lease")
+        (no MAC or a wrong one), :class:`FrameReplayed` (a seq already accepted). Nothing changes on a refusal.
+        ``payload`` may still be the messages it arrived in: it is hashed piece by piece, never joined."""
+        kind = header.get("kind")
+        if MAC_FIELD not in header or (self.bound_field is not None and self.bound_field not in header):
+            raise Unauthenticated(f"{self._what}: a {kind!r} frame without credentials")
+        if self.bound_field is not None and header.get(self.bound_field) != self._bound_to:
+            raise LeaseMismatch(f"{self._what}: a {kind!r} frame bound to another {self.bound_field}")
         mac = header.get(MAC_FIELD)
         body = {k: v for k, v in header.items() if k != MAC_FIELD}
-        if not isinstance(mac, bytes) or not hmac.compare_digest(mac, self._frame_mac(body, payload)):
-            raise Unauthenticated(f"request {self.request_id!r}: a {header.get('kind')!r} frame failed its MAC")
+        if not isinstance(mac, bytes) or not hmac.compare_digest(mac, _frame_mac(self._verify_key, body, payload)):
+            raise Unauthenticated(f"{self._what}: a {kind!r} frame failed its MAC")
         seq = header.get("seq")
         with self._lock:
             if not isinstance(seq, int) or seq <= self._last_seen:
-                raise FrameReplayed(f"request {self.request_id!r}: {header.get('kind')!r} frame seq {seq!r} was "
-                                    f"already accepted (last {self._last_seen})")
+                raise FrameReplayed(f"{self._what}: {kind!r} frame seq {seq!r} was already accepted (last "
+                                    f"{self._last_seen})")
             self._last_seen = seq
+
+
+class LeaseAuth(FrameAuth):
+    """One side's MAC state for one lease (both directions share the lease's frame key; ``"to"`` tells them
+    apart)."""
+
+    bound_field = "lease"
+
+    def __init__(self, secret: ClusterSecret, request_id: str, lease_id: str) -> None:
+        key = _mac(lease_token(secret, request_id, lease_id), "frame")
+        super().__init__(key, key, bound_to=lease_id, what=f"request {request_id!r}")
+        self.request_id, self.lease_id = request_id, lease_id
 
     def seal_bytes(self, data: bytes) -> bytes:
         """A MAC over a whole message (the gRPC Push summary)."""
-        return _mac(self._key, "summary", data)
+        return _mac(self._seal_key, "summary", data)
 
     def check_bytes(self, data: bytes, mac: Any) -> None:
         if not isinstance(mac, bytes) or not hmac.compare_digest(mac, self.seal_bytes(data)):
             raise Unauthenticated(f"request {self.request_id!r}: the Push summary failed its MAC")
 
-    def _frame_mac(self, header: dict[str, Any], payload: torch.Tensor | None) -> bytes:
-        h = hmac.new(self._key, pack_frame(header), hashlib.sha256)
-        if payload is not None and not payload.is_cuda and payload.numel():
+
+class LinkAuth(FrameAuth):
+    """One end's MAC state for a link's own frames (``ping``, ``bye``): ``side`` seals, ``peer`` is verified.
+    ``link_id`` is the same at both ends (a gloo pair's fresh ``pair_key``), and so is each side's name."""
+
+    def __init__(self, secret: ClusterSecret, link_id: str, *, side: str, peer: str) -> None:
+        seal_key, verify_key = (secret.derive("duet/kv/link/v1", link_id, who) for who in (side, peer))
+        super().__init__(seal_key, verify_key, what=f"link {link_id!r}")
+
+
+def _frame_mac(key: bytes, header: dict[str, Any], payload: Payload) -> bytes:
+    h = hmac.new(key, pack_frame(header), hashlib.sha256)
+    if isinstance(payload, torch.Tensor):
+        if not payload.is_cuda and payload.numel():
             h.update(memoryview(payload.contiguous().numpy()))
-        return h.digest()
+    elif payload is not None:
+        for piece in payload:
+            h.update(piece)
+    return h.digest()
 
 
 class Refusals:
@@ -183,6 +233,18 @@ class DataPlaneAuth:
         self.secret = secret
         self.refusals = Refusals()
 
+    @classmethod
+    def for_manager(cls, transport: str, secret: ClusterSecret | None, *, insecure: bool,
+                    required: bool) -> DataPlaneAuth:
+        """A manager's context, failing closed: with ``required`` (the transport crosses processes) a manager needs
+        ``secret`` or the explicit ``insecure=True``, else :class:`MissingSecret`; both at once is a ``ValueError``."""
+        if secret is not None and insecure:
+            raise ValueError(f"the {transport!r} KV manager got a secret and insecure=True; pass one of them")
+        if secret is None and required and not insecure:
+            raise MissingSecret(f"the {transport!r} KV manager needs secret=ClusterSecret(...), or insecure=True to "
+                                "run its data plane without authentication (data_plane_auth: \"off\")")
+        return cls(secret)
+
     @property
     def enabled(self) -> bool:
         return self.secret is not None
@@ -192,3 +254,6 @@ class DataPlaneAuth:
 
     def for_lease(self, lease: Lease) -> LeaseAuth | None:
         return None if self.secret is None else LeaseAuth(self.secret, lease.request_id, lease.lease_id)
+
+    def for_link(self, link_id: str, *, side: str, peer: str) -> LinkAuth | None:
+        return None if self.secret is None else LinkAuth(self.secret, link_id, side=side, peer=peer)

@@ -41,6 +41,7 @@ group * 2 B + 2304 = 2448 B; plus a 5-byte token mask: 5013 B for what float32 s
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,19 @@ _CPU = torch.device("cpu")
 def codec_for(policy: CompressionPolicy | None) -> Codec:
     """The codec a sender should use for ``policy``: the identity codec for None, else a :class:`ModalCodec`."""
     return get_codec("identity") if policy is None else ModalCodec(policy)
+
+
+def max_layer_payload(layout: KVLayout, num_blocks: int) -> int:
+    """The most bytes one layer frame's payload takes under this package's codecs, so that a receiver can bound
+    what it buffers for a header before the frame is verified. Identity sends the raw bytes; ``modal`` sends per
+    value at most the raw bytes (``raw``) or one code byte plus a float32 scale and min (``int``, groups of one),
+    and per entry (text / visual x K / V) one float32 scale per KV head (``fp8``).
+
+    Worked example: float16, 1 block of 4 tokens, 2 KV heads, head_dim 8: 2 x 64 values x 9 B + 4 x 2 x 4 B =
+    1184 B, where the raw layer is 256 B."""
+    values = 2 * math.prod(layout.block_shape(num_blocks))
+    per_value = max(layout.layer_nbytes(num_blocks) // values, 1 + 2 * SCALE_DTYPES["float32"].itemsize)
+    return values * per_value + 4 * layout.num_kv_heads * SCALE_DTYPES["float32"].itemsize
 
 
 def _kept_channels(x: torch.Tensor, keep: float, score: torch.Tensor | None) -> torch.Tensor | None:

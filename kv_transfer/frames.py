@@ -14,7 +14,8 @@ done       sender      the receiver reached SUCCESS
 =========  ==========  ===================================================================
 
 Link frames (no request): ``ping`` (keepalive on an idle link), ``bye`` (orderly close of a link).
-With data-plane auth on, request frames also carry ``"lease"``, ``"seq"`` and ``"mac"`` (:mod:`kv_transfer.auth`).
+With data-plane auth on, request frames also carry ``"lease"``, ``"seq"`` and ``"mac"``, and link frames ``"seq"`` and
+``"mac"`` under their sending side's link key (:mod:`kv_transfer.auth`).
 A header with another ``"v"`` is rejected with :class:`ProtocolError` (carrying the request id when readable).
 """
 

@@ -5,6 +5,9 @@ thread, which encodes each job (codec + checksums) and transmits it, or a ``ping
 reach :meth:`Link.on_frame` from the transport's receive path and are routed by the manager's
 :class:`FrameRouter` (a :class:`~kv_transfer.routing.Dispatcher`) to the sender or receiver of their request.
 Transfers using a link are its *members*: when the link dies they all end FAILED with :class:`PeerUnavailable`.
+With data-plane auth on, the link's own frames (``ping``, ``bye``) are sealed and verified with its
+:class:`~kv_transfer.auth.LinkAuth`: one that fails is refused (counted by the router) and changes nothing -- a
+forged ``bye`` neither closes the link nor fails its members.
 
 Link states: CONNECTING -> UP -> CLOSING (bye sent or received) -> CLOSED.
 """
@@ -20,11 +23,15 @@ from typing import Any, Protocol
 import torch
 
 from kv_transfer import frames
-from kv_transfer.base import KVPoll, PeerUnavailable, TransferError
+from kv_transfer.auth import LinkAuth
+from kv_transfer.base import KVPoll, PeerUnavailable, TransferError, Unauthenticated
 from kv_transfer.transfer import BaseSender, ControlJob, FinishJob, LayerJob, Transfer
 
 log = logging.getLogger(__name__)
-Item = dict[str, Any] | ControlJob | LayerJob | FinishJob  # a dict: a link frame (ping / bye)
+# a dict: a header for the wire as it is -- a link frame (ping / bye; sealed at transmit), or a request frame the
+# router answered with (sealed by the router when auth is on)
+Item = dict[str, Any] | ControlJob | LayerJob | FinishJob
+LINK_FRAME_MAX_BYTES = 128  # a sealed ping / bye packs to about 60 bytes; request frames are routed unparsed
 
 
 class FrameRouter(Protocol):
@@ -32,6 +39,9 @@ class FrameRouter(Protocol):
 
     def route(self, header_bytes: bytes, payload: torch.Tensor | None, link: Link) -> None:
         """Receive path: deliver one request frame that came on ``link`` (never raises for a bad frame)."""
+
+    def refuse(self, error: Unauthenticated, where: str) -> None:
+        """Receive path: count and log a frame refused before it was routed (a link frame that failed its MAC)."""
 
 
 class LinkState(IntEnum):
@@ -83,10 +93,12 @@ class Outbox:
 
 class Link:
     """Base of a transport link. Subclasses implement ``_connect()`` (bounded) and ``_transmit(header, payload)``
-    and call :meth:`on_frame` for each incoming frame and :meth:`die` when their receive path breaks."""
+    and call :meth:`on_frame` for each incoming frame and :meth:`die` when their receive path breaks. ``auth``
+    (None: data-plane auth off) seals this end's ping / bye and verifies the peer's."""
 
-    def __init__(self, *, dispatcher: FrameRouter, keepalive_s: float, name: str) -> None:
-        self.dispatcher, self.keepalive_s, self.name = dispatcher, keepalive_s, name
+    def __init__(self, *, dispatcher: FrameRouter, keepalive_s: float, name: str,
+                 auth: LinkAuth | None = None) -> None:
+        self.dispatcher, self.keepalive_s, self.name, self.auth = dispatcher, keepalive_s, name, auth
         self.state = LinkState.CONNECTING
         self.outbox = Outbox()
         self._members: set[Transfer] = set()
@@ -145,14 +157,20 @@ class Link:
 
     def on_frame(self, header_bytes: bytes, payload: torch.Tensor | None) -> bool:
         """Receive path: handle one frame. Returns False when the peer said ``bye`` (stop receiving)."""
-        kind = _peek_link_kind(header_bytes)
-        if kind == "ping":
+        header = _peek_link_frame(header_bytes)
+        if header is None:
+            self.dispatcher.route(header_bytes, payload, self)
             return True
-        if kind == "bye":
+        if self.auth is not None:
+            try:
+                self.auth.verify(header, payload)
+            except Unauthenticated as e:  # refused: the link and its members go on
+                self.dispatcher.refuse(e, f"link {self.name}")
+                return True
+        if header["kind"] == "bye":
             self._fail_members(PeerUnavailable(f"peer closed link {self.name}"))
             self._begin_close()
             return False
-        self.dispatcher.route(header_bytes, payload, self)
         return True
 
     # -- subclass hooks ------------------------------------------------------------------------------------------
@@ -216,9 +234,10 @@ class Link:
             if header["kind"] == "bye":
                 return
 
-    @staticmethod
-    def _encode(item: Item) -> tuple[dict[str, Any], torch.Tensor | None] | None:
+    def _encode(self, item: Item) -> tuple[dict[str, Any], torch.Tensor | None] | None:
         if isinstance(item, dict):
+            if self.auth is not None and item.get("kind") in frames.LINK_KINDS:
+                item = self.auth.seal(item, None)
             return item, None
         if isinstance(item, ControlJob):
             return item.transfer.seal(item.header), None
@@ -230,10 +249,12 @@ class Link:
             return None
 
 
-def _peek_link_kind(header_bytes: bytes) -> str | None:
-    if len(header_bytes) > 32:  # link frames are tiny; request frames are routed without a second parse
+def _peek_link_frame(header_bytes: bytes) -> dict[str, Any] | None:
+    """The header of a link frame (``ping`` / ``bye``, not yet verified); None for a request frame."""
+    if len(header_bytes) > LINK_FRAME_MAX_BYTES:  # link frames are tiny; request frames skip this second parse
         return None
     try:
-        return frames.unpack(header_bytes).get("kind")
+        header = frames.unpack(header_bytes)
     except frames.FrameRejected:
         return None
+    return header if header.get("kind") in frames.LINK_KINDS and "request_id" not in header else None

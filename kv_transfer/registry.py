@@ -22,7 +22,8 @@ def get_manager_class(name: str) -> type[KVManager]:
     """The manager class of transport ``name`` (one of :data:`TRANSPORTS`); ``ValueError`` for other names.
 
     Constructing the class may still raise :class:`PeerUnavailable` when the host cannot run it (``"nccl"``
-    without CUDA).
+    without CUDA), and raises :class:`~kv_transfer.auth.MissingSecret` for a transport that crosses processes given
+    neither ``secret=`` nor the explicit ``insecure=True``.
     """
     try:
         module, attr = _TRANSPORTS[name]

@@ -61,6 +61,9 @@ class Dispatcher:
         with self._lock:
             return [t for table in self._tables.values() for t in table.values()]
 
+    def refuse(self, error: Unauthenticated, where: str) -> None:
+        self.auth.refusals.add(error, where)
+
     def route(self, header_bytes: bytes, payload: torch.Tensor | None, link: Link) -> None:
         try:
             header = frames.parse(header_bytes)

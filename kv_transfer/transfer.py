@@ -32,10 +32,11 @@ from kv_transfer.base import (
     error_from_name,
 )
 from kv_transfer.codec import Codec, CodecContext, decode_layer, encode_layer
+from kv_transfer.compression import max_layer_payload
 from kv_transfer.state_frames import decode_state, encode_state
 
 if TYPE_CHECKING:
-    from kv_transfer.auth import LeaseAuth
+    from kv_transfer.auth import LeaseAuth, Payload
 
 log = logging.getLogger(__name__)
 TERMINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
@@ -100,9 +101,10 @@ class Transfer:
         """Transport thread, in transmit order: ``header`` ready for the wire (bound to the lease when auth is on)."""
         return header if self.auth is None else self.auth.seal(header, payload)
 
-    def verify(self, header: dict[str, Any], payload: torch.Tensor | None) -> None:
+    def verify(self, header: dict[str, Any], payload: Payload) -> None:
         """Transport thread, before ``handle_frame``: raise :class:`~kv_transfer.base.Unauthenticated` (or a subclass)
-        for a frame that is not the peer's next one for this lease."""
+        for a frame that is not the peer's next one for this lease. ``payload`` may still be the messages it came in
+        (a list of bytes), so that a transport need not allocate it before it is verified."""
         if self.auth is not None:
             self.auth.verify(header, payload)
 
@@ -297,6 +299,13 @@ class BaseReceiver(Transfer, KVReceiver):
     @property
     def meta(self) -> dict[str, Any] | None:
         return self._meta
+
+    @property
+    def max_payload_nbytes(self) -> int:
+        """The most payload bytes one frame of this lease can carry (a layer under any codec of this package, or a
+        state frame): a transport keeps no more than this for one header before the frame is verified."""
+        layers = max_layer_payload(self.lease.layout, self.lease.num_blocks)
+        return layers if self.lease.state is None else max(layers, self.lease.state.frame_nbytes)
 
     def _fail(self, error: TransferError, *, notify_peer: bool) -> bool:
         with self._sink_lock:

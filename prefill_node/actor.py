@@ -30,7 +30,7 @@ class PrefillActor(WorkerActorBase):
         # secret: the cluster's data-plane key (None: data_plane_auth "off"), a constructor argument pickled by Ray;
         # kv_proxy: the spec's (validated against the transport's dials_through_proxy)
         via = {"proxy": kv_proxy} if kv_proxy else {}
-        self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret, **via)
+        self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret, insecure=secret is None, **via)
         self.worker = PrefillWorker(model_dir, EngineConfig(**engine_config), stream_layers=stream_layers,
                                     compression=compression)
         self.wake = threading.Event()

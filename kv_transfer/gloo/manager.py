@@ -65,7 +65,8 @@ class Manager(KVManager):
 
     ``host``: the address this worker is reachable at (store and gloo sockets bind/advertise it; loopback by
     default). ``op_timeout_s`` bounds every send/recv and pair set-up; ``keepalive_s`` (< op_timeout_s / 2) is the
-    idle ping period.
+    idle ping period. ``secret``: the cluster's data-plane key; without one the manager is built only with the
+    explicit ``insecure=True`` (``data_plane_auth: "off"``), else :class:`~kv_transfer.auth.MissingSecret`.
     """
 
     name: ClassVar[str] = "gloo"
@@ -76,14 +77,14 @@ class Manager(KVManager):
 
     def __init__(self, *, worker_id: str | None = None, host: str = "127.0.0.1", codec: str = "identity",
                  op_timeout_s: float = 30.0, keepalive_s: float = 2.0, connect_timeout_s: float = 10.0,
-                 secret: ClusterSecret | None = None) -> None:
+                 secret: ClusterSecret | None = None, insecure: bool = False) -> None:
+        self._auth = DataPlaneAuth.for_manager(self.name, secret, insecure=insecure, required=self.cross_process)
         if not 0 < keepalive_s < op_timeout_s / 2:
             raise ValueError(f"keepalive_s ({keepalive_s}) must be in (0, op_timeout_s / 2 = {op_timeout_s / 2})")
         self._payload_device = self._check_host()
         self._worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._host, self._codec = host, get_codec(codec)
         self._op_timeout_s, self._keepalive_s, self._connect_timeout_s = op_timeout_s, keepalive_s, connect_timeout_s
-        self._auth = DataPlaneAuth(secret)  # None: data_plane_auth "off" (joins are not challenged)
         self._dispatcher = Dispatcher(self._auth)
         self._lock = threading.Lock()
         self._out: dict[str, Pair] = {}  # pairs this manager started (prefill role), by decode endpoint
@@ -92,7 +93,8 @@ class Manager(KVManager):
         self._store = host_store(host)
         self._endpoint = f"{host}:{self._store.port}/{self._worker_id}"
         self._watch = DeadlineWatch(f"kv-deadline-{self._worker_id}")
-        self._watcher = JoinWatcher(host, self._store.port, self._accept)
+        self._watcher = JoinWatcher(host, self._store.port, self._accept, secret=self._auth.secret,
+                                    on_refused=self._refused_join)
 
     @classmethod
     def _check_host(cls) -> torch.device:
@@ -152,9 +154,10 @@ class Manager(KVManager):
         if self._closed:
             raise PeerUnavailable(f"KV manager {self._worker_id} is closed")
 
-    def _new_pair(self, *, rank: int, connect: GroupsFactory, name: str) -> Pair:
+    def _new_pair(self, *, rank: int, pair_key: str, connect: GroupsFactory, name: str) -> Pair:
         return Pair(dispatcher=self._dispatcher, rank=rank, connect=connect, keepalive_s=self._keepalive_s,
-                    payload_device=self._payload_device, name=name, on_closed=self._forget)
+                    payload_device=self._payload_device, name=name, on_closed=self._forget,
+                    auth=self._auth.for_link(pair_key, side=str(rank), peer=str(1 - rank)))
 
     def _pair_to(self, endpoint: str) -> Pair:
         host, port, decode_id = parse_endpoint(endpoint)
@@ -166,7 +169,7 @@ class Manager(KVManager):
 
             def connect() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
                 store = connect_store(host, port, self._connect_timeout_s)
-                slot = announce(store, pair_key=pair_key, prefill_id=self._worker_id)
+                slot = announce(store, pair_key=pair_key, prefill_id=self._worker_id, secret=self._auth.secret)
                 prefix = pair_prefix(pair_key)
                 if self._auth.secret is not None:
                     prefix = prove(store, slot, pair_key=pair_key, secret=self._auth.secret,
@@ -174,7 +177,8 @@ class Manager(KVManager):
                 return make_groups(store, prefix, rank=1, host=self._host, nccl=self.nccl,
                                               timeout_s=self._op_timeout_s)
 
-            pair = self._out[endpoint] = self._new_pair(rank=1, connect=connect, name=f"{pair_key}->{decode_id}")
+            pair = self._out[endpoint] = self._new_pair(rank=1, pair_key=pair_key, connect=connect,
+                                                        name=f"{pair_key}->{decode_id}")
         pair.start()
         return pair
 
@@ -189,7 +193,7 @@ class Manager(KVManager):
                     prefix = challenge(store, slot, pair_key=pair_key, secret=self._auth.secret,
                                                   timeout_s=self._connect_timeout_s)
                 except Unauthenticated as e:
-                    self._auth.refusals.add(e, f"a gloo join (slot {slot})")
+                    self._refused_join(e, slot)
                     raise
             return make_groups(store, prefix, rank=0, host=self._host, nccl=self.nccl,
                                           timeout_s=self._op_timeout_s)
@@ -197,9 +201,12 @@ class Manager(KVManager):
         with self._lock:
             if self._closed:
                 return
-            pair = self._new_pair(rank=0, connect=connect, name=f"{pair_key}->{self._worker_id}")
+            pair = self._new_pair(rank=0, pair_key=pair_key, connect=connect, name=f"{pair_key}->{self._worker_id}")
             self._in.add(pair)
         pair.start()
+
+    def _refused_join(self, error: Unauthenticated, slot: int) -> None:
+        self._auth.refusals.add(error, f"a gloo join (slot {slot})")
 
     def _forget(self, pair: Pair) -> None:
         with self._lock:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from kv_transfer.auth import LinkAuth
 from kv_transfer.base import PeerUnavailable
 from kv_transfer.link import Link, LinkState
 from kv_transfer.routing import Dispatcher
@@ -30,11 +31,13 @@ GroupsFactory = Callable[[], tuple[dist.ProcessGroup, dist.ProcessGroup]]
 
 
 class Pair(Link):
-    """``rank`` 0 is the decode side, 1 the prefill side. ``connect`` builds (control, data) groups (bounded)."""
+    """``rank`` 0 is the decode side, 1 the prefill side. ``connect`` builds (control, data) groups (bounded).
+    ``auth``: the pair's :class:`LinkAuth` (keyed by its ``pair_key``, sides named by rank), None with auth off."""
 
     def __init__(self, *, dispatcher: Dispatcher, rank: int, connect: GroupsFactory, keepalive_s: float,
-                 payload_device: torch.device, name: str, on_closed: Callable[[Pair], None]) -> None:
-        super().__init__(dispatcher=dispatcher, keepalive_s=keepalive_s, name=name)
+                 payload_device: torch.device, name: str, on_closed: Callable[[Pair], None],
+                 auth: LinkAuth | None = None) -> None:
+        super().__init__(dispatcher=dispatcher, keepalive_s=keepalive_s, name=name, auth=auth)
         self.rank, self._peer = rank, 1 - rank
         self._connect_fn, self._on_closed_cb = connect, on_closed
         self._payload_device = payload_device

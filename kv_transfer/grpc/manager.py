@@ -34,7 +34,9 @@ CHUNK_BYTES = 4 << 20
 class Manager(KVManager):
     """gRPC transport manager. ``max_concurrent``: Push calls served at once (one handler thread each). ``proxy``
     ("host:port"): this side's Push calls dial the decode side through that HTTP CONNECT proxy (a site's egress
-    proxy; the chaos soak's fault proxy, :mod:`duet_bench.chaos.proxy`)."""
+    proxy; the chaos soak's fault proxy, :mod:`duet_bench.chaos.proxy`). ``secret``: the cluster's data-plane key;
+    without one the manager is built only with the explicit ``insecure=True`` (``data_plane_auth: "off"``), else
+    :class:`~kv_transfer.auth.MissingSecret`."""
 
     name = "grpc"
     supports_gpu_direct = False
@@ -44,12 +46,12 @@ class Manager(KVManager):
 
     def __init__(self, *, worker_id: str | None = None, host: str = "127.0.0.1", port: int = 0,
                  codec: str = "identity", chunk_bytes: int = CHUNK_BYTES, max_concurrent: int = 32,
-                 secret: ClusterSecret | None = None, proxy: str | None = None) -> None:
+                 secret: ClusterSecret | None = None, insecure: bool = False, proxy: str | None = None) -> None:
+        self._auth = DataPlaneAuth.for_manager(self.name, secret, insecure=insecure, required=self.cross_process)
         if not 0 < chunk_bytes <= CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes}")
         self._worker_id = worker_id or f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._codec: Codec = get_codec(codec)
-        self._auth = DataPlaneAuth(secret)  # None: data_plane_auth "off"
         self._chunk_bytes = chunk_bytes
         self._proxy = proxy
         self._limit = chunk_bytes + (1 << 20)  # room for a large header message

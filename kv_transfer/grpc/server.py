@@ -8,13 +8,19 @@ gRPC's flow-control windows pace the sender; the handler thread runs the sink.
 With data-plane auth on, a call is admitted only with its lease's proof in the metadata (``duet-kv-request-bin``,
 ``duet-kv-lease``, ``duet-kv-proof``; :mod:`kv_transfer.auth`), checked before the first message is read: a call
 without it ends UNAUTHENTICATED, counted. Each frame is then verified against the lease (MAC, lease id, seq) before
-the receiver sees it; a refused frame is counted and dropped. The summary carries a MAC as well.
+the receiver sees it, and before its payload is joined into one buffer; a message or frame that fails is counted and
+dropped, and the transfer goes on (a later valid frame still counts). The summary carries a MAC as well.
+
+Nothing is allocated on a header's word: a header naming more payload than its lease can carry
+(:attr:`~kv_transfer.transfer.BaseReceiver.max_payload_nbytes`) is refused before any of it is read, with auth on or
+off, and a payload is kept in the messages it arrived in until its frame is verified.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -37,7 +43,7 @@ from kv_transfer.transfer import TERMINAL, BaseReceiver
 SERVICE = "duet.kv.v1.KVTransfer"
 PUSH = f"/{SERVICE}/Push"
 SUMMARY_VERSION = 1
-MAX_PAYLOAD_BYTES = 1 << 40
+PAYLOAD_KINDS = ("layer", "state")
 MD_REQUEST, MD_LEASE, MD_PROOF = "duet-kv-request-bin", "duet-kv-lease", "duet-kv-proof"
 
 
@@ -103,33 +109,40 @@ class Receiver(BaseReceiver):
 
 
 class FrameReader:
-    """Push messages -> ``(header, payload | None)`` frames."""
+    """One Push call's messages -> ``(header, pieces)`` frames: a header message, then (for a layer or state frame)
+    its payload in messages of ``"nbytes"`` in all. A header naming more than ``limit`` bytes (the lease's
+    :attr:`~kv_transfer.transfer.BaseReceiver.max_payload_nbytes`) is rejected before anything is kept, and the
+    payload stays in the messages it came in until the frame is whole: nothing is allocated on a header's word.
+    After a rejected message the reader expects a header again."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
         self._header: dict[str, Any] | None = None
-        self._buf: torch.Tensor | None = None
-        self._filled = 0
+        self._pieces: list[bytes] = []
+        self._left = 0
 
-    def feed(self, message: bytes) -> tuple[dict[str, Any], torch.Tensor | None] | None:
+    def feed(self, message: bytes) -> tuple[dict[str, Any], list[bytes]] | None:
+        """The frame ``message`` completes, or None; :class:`~kv_transfer.frames.FrameRejected` for a message that
+        cannot be taken (not a header, a size out of bounds, a payload longer than its header said)."""
         if self._header is None:
-            header = frames.unpack(message)
-            nbytes = header.get("nbytes", 0) if header["kind"] in ("layer", "state") else 0
-            if not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_PAYLOAD_BYTES:
-                raise frames.FrameRejected(f"bad payload size {nbytes!r}", request_id=header.get("request_id"),
-                                           to=header.get("to"))
+            header = frames.parse(message)
+            kind = header.get("kind")
+            nbytes = header.get("nbytes", 0) if kind in PAYLOAD_KINDS else 0
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= self._limit:
+                raise frames.FrameRejected(f"a {kind!r} frame names {nbytes!r} payload bytes; its lease carries at "
+                                           f"most {self._limit} a frame")
             if nbytes == 0:
-                return header, None
-            self._header, self._buf, self._filled = header, torch.empty(nbytes, dtype=torch.uint8), 0
+                return header, []
+            self._header, self._pieces, self._left = header, [], nbytes
             return None
-        end = self._filled + len(message)
-        if end > self._buf.numel():
-            raise ProtocolError(f"payload overruns its header's {self._buf.numel()} bytes")
-        self._buf.numpy()[self._filled:end] = memoryview(message)
-        self._filled = end
-        if end < self._buf.numel():
+        if len(message) > self._left:
+            kind, self._header, self._pieces = self._header.get("kind"), None, []
+            raise frames.FrameRejected(f"a {kind!r} frame's payload overruns the size its header named")
+        self._pieces.append(message)
+        self._left -= len(message)
+        if self._left:
             return None
-        frame = (self._header, self._buf)
-        self._header, self._buf = None, None
+        frame, self._header, self._pieces = (self._header, self._pieces), None, []
         return frame
 
 
@@ -139,8 +152,8 @@ class PushHandler:
     def __init__(self, lookup: Callable[[str], Receiver | None], data_auth: auth.DataPlaneAuth) -> None:
         self._lookup, self._auth = lookup, data_auth
 
-    def __call__(self, messages, context: grpc.ServicerContext) -> bytes:
-        reader, receiver = FrameReader(), None
+    def __call__(self, messages: Iterable[bytes], context: grpc.ServicerContext) -> bytes:
+        stream = iter(messages)
         if self._auth.enabled:  # before any message is read
             try:
                 receiver, lease_auth = self._admit(context)
@@ -149,41 +162,62 @@ class PushHandler:
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{type(e).__name__}: {e}")
             if receiver is None:
                 return pack_summary(_not_expected(lease_auth.request_id), lease_auth)
+        else:  # the first header names the request
+            try:
+                first = next(stream, None)
+                rid = None if first is None else frames.parse(first).get("request_id")
+            except frames.FrameRejected as e:
+                return pack_summary(e)
+            except grpc.RpcError as e:  # the client went away or cancelled
+                return pack_summary(PeerUnavailable(f"the Push stream broke: {e}"))
+            receiver = self._bind(rid, context)
+            if receiver is None:
+                return pack_summary(_not_expected(rid))
+            stream = itertools.chain((first,), stream)
         try:
-            for message in messages:
-                frame = reader.feed(message)
-                if frame is None:
-                    continue
-                header, payload = frame
-                if receiver is None:
-                    receiver = self._bind(header.get("request_id"), context)
-                    if receiver is None:
-                        return pack_summary(_not_expected(header.get("request_id")))
-                elif header.get("request_id") != receiver.request_id and not self._auth.enabled:
-                    raise ProtocolError(f"a Push call for {receiver.request_id!r} carried a frame for "
-                                        f"{header.get('request_id')!r}")
-                try:
-                    receiver.verify(header, payload)
-                except Unauthenticated as e:  # refused: counted and dropped, the transfer goes on
-                    self._auth.refusals.add(e, f"a frame of a gRPC Push call from {context.peer()}")
-                    continue
-                receiver.handle_frame(header, payload)
-                if receiver.poll() in TERMINAL:
-                    return pack_summary(receiver.failure_exception(), receiver.auth)
-            error: TransferError = PeerUnavailable("the Push stream ended before the final frame")
-        except frames.FrameRejected as e:
-            if self._auth.enabled and receiver is not None:  # unverifiable bytes: refuse the frame, not the transfer
-                self._auth.refusals.add(Unauthenticated(f"an undecodable frame: {e}"), "a gRPC Push call")
-            receiver = receiver or self._bind(e.request_id, context)
-            error = e
+            error = self._serve(stream, receiver, context)
         except TransferError as e:
             error = e
         except grpc.RpcError as e:  # the client went away or cancelled
             error = PeerUnavailable(f"the Push stream broke: {e}")
-        if receiver is not None:
+        if error is not None:
             receiver._fail(error, notify_peer=False)
-            return pack_summary(receiver.failure_exception(), receiver.auth)
-        return pack_summary(error)
+        return pack_summary(receiver.failure_exception(), receiver.auth)
+
+    def _serve(self, stream: Iterator[bytes], receiver: Receiver,
+               context: grpc.ServicerContext) -> TransferError | None:
+        """Feed ``receiver`` until it is terminal (None) or the error that ends its transfer. With auth on, a
+        message or frame that cannot be verified is refused (counted) and skipped: only that frame, the transfer
+        goes on and a later valid frame still counts. An authentic frame that is wrong ends the transfer."""
+        reader = FrameReader(receiver.max_payload_nbytes)
+        for message in stream:
+            try:
+                frame = reader.feed(message)
+            except frames.FrameRejected as e:
+                if not self._auth.enabled:
+                    return e
+                self._refuse(Unauthenticated(f"request {receiver.request_id!r}: an unverifiable message: {e}"),
+                             context)
+                continue
+            if frame is None:
+                continue
+            header, pieces = frame
+            try:
+                receiver.verify(header, pieces)  # the MAC runs over the pieces as they came: nothing allocated yet
+            except Unauthenticated as e:
+                self._refuse(e, context)
+                continue
+            header = frames.check(header)
+            if not self._auth.enabled and header.get("request_id") != receiver.request_id:
+                return ProtocolError(f"a Push call for {receiver.request_id!r} carried a frame for "
+                                     f"{header.get('request_id')!r}")
+            receiver.handle_frame(header, _joined(pieces))
+            if receiver.poll() in TERMINAL:
+                return None
+        return PeerUnavailable("the Push stream ended before the final frame")
+
+    def _refuse(self, error: Unauthenticated, context: grpc.ServicerContext) -> None:
+        self._auth.refusals.add(error, f"a frame of a gRPC Push call from {context.peer()}")
 
     def _admit(self, context: grpc.ServicerContext) -> tuple[Receiver | None, auth.LeaseAuth]:
         """The receiver the call's metadata proves a lease for (bound to this call; None when no such transfer is
@@ -205,6 +239,11 @@ class PushHandler:
     def _bind(self, request_id: Any, context: grpc.ServicerContext) -> Receiver | None:
         receiver = self._lookup(request_id) if isinstance(request_id, str) else None
         return receiver if receiver is not None and receiver.bind(context) else None
+
+
+def _joined(pieces: list[bytes]) -> torch.Tensor | None:
+    """A verified frame's payload as one uint8 tensor (None when it has none)."""
+    return torch.frombuffer(bytearray().join(pieces), dtype=torch.uint8) if pieces else None
 
 
 def _metadata(context: grpc.ServicerContext) -> dict[str, str | bytes]:

@@ -39,7 +39,9 @@ class _QueueLink(Link):
     """Frames from ``src`` go straight into ``dst``'s inbox."""
 
     def __init__(self, src: Manager, dst: Manager) -> None:
-        super().__init__(dispatcher=src._dispatcher, keepalive_s=1.0, name=f"{src.endpoint}->{dst.endpoint}")
+        link_id = "|".join(sorted((src.endpoint, dst.endpoint)))  # the same at both ends
+        super().__init__(dispatcher=src._dispatcher, keepalive_s=1.0, name=f"{src.endpoint}->{dst.endpoint}",
+                         auth=src._dispatcher.auth.for_link(link_id, side=src.endpoint, peer=dst.endpoint))
         self._src, self._dst = weakref.ref(src), weakref.ref(dst)
         self._src_endpoint = src.endpoint
 
@@ -69,10 +71,12 @@ class Manager(KVManager):
     cross_host = False
 
     def __init__(self, *, worker_id: str | None = None, codec: str = "identity",
-                 secret: ClusterSecret | None = None) -> None:
+                 secret: ClusterSecret | None = None, insecure: bool = False) -> None:
+        # in-process: nothing crosses a process boundary, so a secret is optional here (it still seals frames)
+        auth = DataPlaneAuth.for_manager(self.name, secret, insecure=insecure, required=self.cross_process)
         self._endpoint = f"inproc://{worker_id or uuid.uuid4().hex[:12]}"
         self._codec: Codec = get_codec(codec)
-        self._dispatcher = Dispatcher(DataPlaneAuth(secret))
+        self._dispatcher = Dispatcher(auth)
         self._watch = DeadlineWatch(f"kv-deadline-{self._endpoint}")
         self._links: dict[str, _QueueLink] = {}
         self._lock = threading.Lock()

@@ -5,6 +5,7 @@
 * :class:`Collector`: a thread-safe sink that records every call.
 * :func:`make_manager`: a transport's manager with short test timeouts.
 * :func:`wait_until`: bounded polling.
+* :func:`inject_after_layer0`: frames a stranger in the middle adds to a transfer's stream.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
+import msgpack
 import torch
 
 from kv_transfer import ClusterSecret, KVLayout, KVManager, get_manager_class
@@ -74,3 +77,49 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, interval_s
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+Extra = Callable[[dict[str, Any], torch.Tensor], list[tuple[bytes, torch.Tensor | None]]]
+
+
+def inject_after_layer0(sender: Any, monkeypatch: Any, extra: Extra) -> None:
+    """Right after layer 0 goes on the wire, the frames ``extra(its header, its payload)`` returns follow it
+    (``(header bytes, payload or None)`` each), as a stranger in the middle of the stream would add them.
+    ``sender``: a link transport's sender (its link's transmit is wrapped: the frames go from its send thread); None
+    for gRPC (every Push stream started afterwards carries them; layer 0's payload must fit one message)."""
+    if sender is not None:
+        link = sender._link
+        transmit = link._transmit
+
+        def tx(header: bytes, payload: torch.Tensor | None) -> None:
+            transmit(header, payload)
+            h = msgpack.unpackb(header, raw=False)
+            if h.get("kind") == "layer" and h.get("layer") == 0:
+                for hb, p in extra(h, payload):
+                    transmit(hb, p)
+
+        link._transmit = tx
+        return
+    from kv_transfer.grpc import client as grpc_client
+
+    original = grpc_client.Sender._messages
+
+    def messages(self):
+        pending = None
+        for m in original(self):
+            yield m
+            if pending is not None:  # m is layer 0's payload
+                for hb, p in extra(pending, torch.frombuffer(bytearray(m), dtype=torch.uint8)):
+                    yield hb
+                    if p is not None:
+                        yield p.numpy().tobytes()
+                pending = None
+                continue
+            try:
+                h = msgpack.unpackb(m, raw=False)
+            except Exception:  # noqa: BLE001 - a payload chunk
+                continue
+            if isinstance(h, dict) and h.get("kind") == "layer" and h.get("layer") == 0:
+                pending = h
+
+    monkeypatch.setattr(grpc_client.Sender, "_messages", messages)

@@ -1,6 +1,7 @@
 """Data-plane authentication at the transport level (kv_transfer.auth): strangers cannot join a gloo pair or open a
 gRPC Push; forged, replayed and cross-lease frames are refused, counted and touch no block while the target transfer
-completes bit-exact; the secret never reaches a log line."""
+completes bit-exact; a forged link ``bye`` closes nothing; a cross-process manager needs a secret or an explicit
+opt-out; the secret never reaches a log line."""
 
 from __future__ import annotations
 
@@ -10,17 +11,25 @@ import threading
 import time
 
 import grpc
-import msgpack
 import pytest
 import torch
 
-from kv_transfer import ClusterSecret, KVPoll, Unauthenticated, frames
-from kv_transfer.auth import LeaseAuth
+from kv_transfer import ClusterSecret, KVPoll, MissingSecret, Unauthenticated, frames, get_manager_class
+from kv_transfer.auth import LeaseAuth, LinkAuth
 from kv_transfer.gloo import rendezvous
 from kv_transfer.gloo.manager import parse_endpoint
-from kv_transfer.grpc import client as grpc_client
 from kv_transfer.grpc.server import PUSH, call_metadata
-from tests.kv_transfer.kvutil import TEST_SECRET, TRANSPORTS, Collector, make_kv, make_layout, make_manager, wait_until
+from kv_transfer.link import LinkState
+from tests.kv_transfer.kvutil import (
+    TEST_SECRET,
+    TRANSPORTS,
+    Collector,
+    inject_after_layer0,
+    make_kv,
+    make_layout,
+    make_manager,
+    wait_until,
+)
 
 STRANGER = ClusterSecret(b"not-the-cluster-secret-000000000")
 
@@ -51,42 +60,6 @@ def _bad_frames(header: dict, payload: torch.Tensor) -> list[tuple[bytes, torch.
             (frames.pack(other), zeros)]
 
 
-def _inject_after_layer0(transport: str, sender, monkeypatch) -> None:
-    if transport == "grpc":
-        original = grpc_client.Sender._messages
-
-        def messages(self):
-            pending = None
-            for m in original(self):
-                yield m
-                if pending is not None:  # m was layer 0's payload (one message: the layers are small)
-                    for h, p in _bad_frames(pending, torch.frombuffer(bytearray(m), dtype=torch.uint8)):
-                        yield h
-                        yield p.numpy().tobytes()
-                    pending = None
-                else:
-                    try:
-                        h = msgpack.unpackb(m, raw=False)
-                    except Exception:  # noqa: BLE001 - a payload chunk
-                        continue
-                    if isinstance(h, dict) and h.get("kind") == "layer" and h.get("layer") == 0:
-                        pending = h
-
-        monkeypatch.setattr(grpc_client.Sender, "_messages", messages)
-        return
-    link = sender._link
-    transmit = link._transmit
-
-    def tx(header: bytes, payload) -> None:
-        transmit(header, payload)
-        h = msgpack.unpackb(header, raw=False)
-        if h.get("kind") == "layer" and h.get("layer") == 0:
-            for hb, p in _bad_frames(h, payload):
-                transmit(hb, p)
-
-    link._transmit = tx
-
-
 @pytest.mark.parametrize("pair", TRANSPORTS, ids=TRANSPORTS, indirect=True)
 def test_forged_replayed_and_cross_lease_frames_are_refused(pair, monkeypatch, caplog) -> None:
     decode, prefill = pair
@@ -96,11 +69,11 @@ def test_forged_replayed_and_cross_lease_frames_are_refused(pair, monkeypatch, c
     sink = Collector()
     receiver = decode.expect(lease, sink)
     if transport == "grpc":
-        _inject_after_layer0(transport, None, monkeypatch)
+        inject_after_layer0(None, monkeypatch, _bad_frames)
     sender = prefill.sender(lease)
     if transport != "grpc":
         assert wait_until(lambda: sender.poll() >= KVPoll.WAITING)
-        _inject_after_layer0(transport, sender, monkeypatch)
+        inject_after_layer0(sender, monkeypatch, _bad_frames)
     _send_all(sender, lease, seed=11)
     assert sender.wait(10) is KVPoll.SUCCESS, sender.failure_exception()
     assert receiver.wait(5) is KVPoll.SUCCESS
@@ -116,10 +89,14 @@ def test_stranger_cannot_join_a_gloo_pair(pair) -> None:
     decode, prefill = pair
     host, port, _ = parse_endpoint(decode.endpoint)
     store = rendezvous.connect_store(host, port, 5.0)
-    slot = rendezvous.announce(store, pair_key="stranger/1", prefill_id="stranger")
-    with pytest.raises(Unauthenticated, match="proof is wrong"):
+    slot = rendezvous.announce(store, pair_key="stranger/1", prefill_id="stranger")  # no claim: refused at once
+    with pytest.raises(Unauthenticated, match="no valid claim"):
         rendezvous.prove(store, slot, pair_key="stranger/1", secret=STRANGER, timeout_s=5.0)
-    assert wait_until(lambda: decode.refused() == {"Unauthenticated": 1}) and decode.num_pairs() == 0
+    # a replayed record (its claim is valid) is challenged, and the stranger cannot answer
+    slot = rendezvous.announce(store, pair_key="replayed/1", prefill_id="stranger", secret=TEST_SECRET)
+    with pytest.raises(Unauthenticated, match="proof is wrong"):
+        rendezvous.prove(store, slot, pair_key="replayed/1", secret=STRANGER, timeout_s=5.0)
+    assert wait_until(lambda: decode.refused() == {"Unauthenticated": 2}) and decode.num_pairs() == 0
     # a whole manager with the wrong secret: its transfer fails typed, and the decode side counts it
     intruder = make_manager("gloo", secret=STRANGER)
     try:
@@ -128,7 +105,7 @@ def test_stranger_cannot_join_a_gloo_pair(pair) -> None:
         receiver = decode.expect(lease, sink)
         s = intruder.sender(lease)
         assert s.wait(10) is KVPoll.FAILED and isinstance(s.failure_exception(), Unauthenticated)
-        assert decode.refused() == {"Unauthenticated": 2} and not sink.calls
+        assert decode.refused() == {"Unauthenticated": 3} and not sink.calls
         # the request still completes from its real prefill side
         real = prefill.sender(lease)
         _send_all(real, lease, seed=3)
@@ -209,3 +186,66 @@ def _assert_secret_absent(text: str) -> None:
     key = TEST_SECRET._key
     for form in (key.hex(), base64.b64encode(key).decode(), base64.urlsafe_b64encode(key).decode(), repr(key)):
         assert form not in text
+
+
+def _decode_link(decode, prefill):
+    """The decode side's link to ``prefill`` (gloo: its one pair; inproc: the queue link back)."""
+    return next(iter(decode._in)) if decode.name == "gloo" else decode._links.get(prefill.endpoint)
+
+
+@pytest.mark.parametrize("transport", ["inproc", "gloo"], ids=["inproc", "gloo"])
+def test_forged_link_frames_neither_close_the_link_nor_fail_its_transfers(transport, monkeypatch) -> None:
+    """An unsealed ``bye``, one sealed under another secret and the decode side's own ``bye`` reflected back to it
+    arrive on a link in the middle of a transfer: each is refused and counted, the link stays up and the transfer
+    completes (an accepted ``bye`` would fail every transfer on the link)."""
+    decode, prefill = make_manager(transport), make_manager(transport)
+    try:
+        lease = decode.lease(f"bye-{transport}", num_blocks=2, layout=make_layout(), deadline_s=time.time() + 20)
+        sink = Collector()
+        receiver = decode.expect(lease, sink)
+        sender = prefill.sender(lease)
+        assert wait_until(lambda: sender.poll() >= KVPoll.WAITING)
+        bye = frames.link_frame("bye")
+
+        def forged(header: dict, payload: torch.Tensor) -> list[tuple[bytes, None]]:
+            assert wait_until(lambda: _decode_link(decode, prefill) is not None)
+            reflected = _decode_link(decode, prefill).auth.seal(bye, None)
+            return [(frames.pack(f), None) for f in (bye, LinkAuth(STRANGER, "x", side="1", peer="0").seal(bye, None),
+                                                     reflected)]
+
+        inject_after_layer0(sender, monkeypatch, forged)
+        _send_all(sender, lease, seed=5)
+        assert sender.wait(10) is KVPoll.SUCCESS, sender.failure_exception()
+        assert receiver.wait(5) is KVPoll.SUCCESS and sink.matches(lease.layout, 2, seed=5)
+        assert wait_until(lambda: decode.refused() == {"Unauthenticated": 3}), decode.refused()
+        assert sender._link.state is LinkState.UP and _decode_link(decode, prefill).state is LinkState.UP
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("transport", ["gloo", "nccl", "grpc"])
+def test_cross_process_managers_fail_closed_without_a_secret(transport: str) -> None:
+    cls = get_manager_class(transport)
+    for kwargs in ({}, {"secret": None}):
+        with pytest.raises(MissingSecret, match="insecure=True"):
+            cls(**kwargs)
+    with pytest.raises(ValueError, match="one of them"):
+        cls(secret=TEST_SECRET, insecure=True)
+    get_manager_class("inproc")().close()  # in one process nothing crosses a boundary: no secret needed
+
+
+@pytest.mark.parametrize("transport", ["gloo", "grpc"])
+def test_the_explicit_opt_out_runs_the_data_plane_without_auth(transport: str) -> None:
+    decode, prefill = (make_manager(transport, secret=None, insecure=True) for _ in range(2))
+    try:
+        lease = decode.lease(f"open-{transport}", num_blocks=1, layout=make_layout(), deadline_s=time.time() + 20)
+        sink = Collector()
+        receiver = decode.expect(lease, sink)
+        sender = prefill.sender(lease)
+        _send_all(sender, lease, seed=8)
+        assert sender.wait(10) is KVPoll.SUCCESS and receiver.wait(5) is KVPoll.SUCCESS
+        assert sink.matches(lease.layout, 1, seed=8) and decode.refused() == {}
+    finally:
+        prefill.close()
+        decode.close()

@@ -180,7 +180,7 @@ def test_registry_and_capabilities() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 def test_nccl_needs_cuda() -> None:
     with pytest.raises(PeerUnavailable, match="CUDA"):
-        get_manager_class("nccl")()
+        get_manager_class("nccl")(insecure=True)
 
 
 def test_package_does_not_import_the_model() -> None:

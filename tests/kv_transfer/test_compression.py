@@ -218,6 +218,23 @@ def test_scales_fall_back_to_float32_when_float16_cannot_hold_them() -> None:
     check_section(policy.visual, False, case.v.reshape(-1, 2, 8)[:20], v2.reshape(-1, 2, 8)[:20], None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_payloads_stay_within_the_bound_a_receiver_buffers(dtype: str) -> None:
+    """The worst case of every method (int8 in groups of one with float32 scales, fp8, raw) stays within
+    ``max_layer_payload``, the most a receiver keeps for one header before the frame is verified."""
+    worst = [CompressionPolicy("g1", text=Method("int", bits=8, group=1), visual=Method("int", bits=8, group=1)),
+             CompressionPolicy("fp8", text=Method("fp8"), visual=Method("fp8")), DEFAULT, AGGRESSIVE]
+    for policy in worst:
+        case = make_case(policy, tokens=20, kvh=2, d=8, block_size=4, dtype=dtype, magnitude=1e6 if dtype ==
+                         "float32" else 1.0, visual_share=0.5)
+        _, payload, *_ = round_trip(case)
+        assert payload.numel() <= compression.max_layer_payload(case.layout, case.num_blocks), policy.name
+    layout = KVLayout(num_layers=1, block_size=4, num_kv_heads=2, head_dim=8, dtype="float16")
+    identity = IdentityCodec().encode(*[torch.zeros(layout.block_shape(3), dtype=torch.float16)] * 2)[0]
+    assert identity.numel() == layout.layer_nbytes(3) <= compression.max_layer_payload(layout, 3)
+    assert compression.max_layer_payload(layout, 1) == 1184  # the docstring's worked example
+
+
 @pytest.mark.parametrize("policy", [DEFAULT, AGGRESSIVE], ids=["default", "aggressive"])
 def test_zero_and_constant_inputs_need_no_scale(policy: CompressionPolicy) -> None:
     case = make_case(policy, tokens=12, kvh=2, d=8, block_size=4, visual_share=0.5)

@@ -1,10 +1,16 @@
-"""gloo-specific behaviour: pairs are reused, and rebuilt after they die (workers join and leave)."""
+"""gloo-specific behaviour: pairs are reused, and rebuilt after they die (workers join and leave); what a stranger
+writes to the rendezvous store cannot stall a join."""
 
 from __future__ import annotations
 
+import threading
 import time
 
+import msgpack
+
 from kv_transfer import KVPoll
+from kv_transfer.gloo import rendezvous
+from kv_transfer.gloo.manager import parse_endpoint
 from tests.kv_transfer.kvutil import (
     Collector,
     make_kv,
@@ -44,22 +50,49 @@ def test_pair_is_reused_then_rebuilt_after_it_closes() -> None:
     assert prefill.num_pairs() == 0 and decode.num_pairs() == 0
 
 
-def test_join_watcher_idle_longer_than_stale_window_still_reads_the_first_join():
-    """Regression: a watcher idle for longer than its stale window must not skip a slot that was reserved a
-    moment ago (the record is written right after the reservation)."""
-    import threading
-    import time
-
-    from kv_transfer.gloo.rendezvous import JoinWatcher, announce, connect_store, host_store
-
-    store = host_store("127.0.0.1")
+def test_join_watcher_reads_a_join_after_idling() -> None:
+    """A watcher idle for a while still takes the next join (nothing it waits for can go stale)."""
+    store = rendezvous.host_store("127.0.0.1")
     seen: list[dict] = []
     got = threading.Event()
-    watcher = JoinWatcher("127.0.0.1", store.port, lambda rec: (seen.append(rec), got.set()), poll_s=0.01,
-                          stale_s=0.1)
+    watcher = rendezvous.JoinWatcher("127.0.0.1", store.port, lambda rec: (seen.append(rec), got.set()), poll_s=0.01)
     try:
-        time.sleep(0.4)  # idle well past the stale window
-        announce(connect_store("127.0.0.1", store.port, 5.0), pair_key="p/1", prefill_id="p")
-        assert got.wait(5.0) and seen[0]["pair_key"] == "p/1"
+        time.sleep(0.3)
+        slot = rendezvous.announce(rendezvous.connect_store("127.0.0.1", store.port, 5.0), pair_key="p/1",
+                                   prefill_id="p")
+        assert got.wait(5.0) and seen[0]["pair_key"] == "p/1" and seen[0]["slot"] == slot
     finally:
         watcher.close()
+
+
+def test_a_forged_join_counter_does_not_stall_pairing() -> None:
+    """A stranger on the store's host adds 1,000 to the old join counter: a new pair still forms at once (the
+    watcher used to wait out every unwritten slot the counter named, ``stale_s`` each)."""
+    decode, prefill = make_manager("gloo"), make_manager("gloo")
+    try:
+        host, port, _ = parse_endpoint(decode.endpoint)
+        rendezvous.connect_store(host, port, 5.0).add("duet/join/count", 1000)
+        assert transfer(decode, prefill, "after-forgery") is KVPoll.SUCCESS  # within connect_timeout_s (2 s)
+        assert decode.num_pairs() == 1 and decode.refused() == {}
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_junk_in_the_join_queue_is_dropped_or_refused_at_once() -> None:
+    """Garbage, a record of another version, one without its claim and one with a forged claim are each dropped
+    or refused (counted) as they are popped; the join queued behind them pairs in time."""
+    decode, prefill = make_manager("gloo"), make_manager("gloo")
+    try:
+        host, port, _ = parse_endpoint(decode.endpoint)
+        store = rendezvous.connect_store(host, port, 5.0)
+        record = {"v": rendezvous.JOIN_VERSION, "slot": 7, "pair_key": "x/1", "prefill_id": "x"}
+        for junk in (b"\xc1 not msgpack", msgpack.packb({**record, "v": 1}), msgpack.packb(record),
+                     msgpack.packb({**record, "slot": 8, "claim": b"\0" * 32})):
+            store.queue_push(rendezvous.JOIN_QUEUE, junk)
+        assert transfer(decode, prefill, "behind-junk") is KVPoll.SUCCESS
+        assert decode.refused() == {"Unauthenticated": 2} and decode.num_pairs() == 1
+        assert store.check(["duet/join/7/verdict", "duet/join/8/verdict"])  # refusals a joiner would read
+    finally:
+        prefill.close()
+        decode.close()

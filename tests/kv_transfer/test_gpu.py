@@ -61,7 +61,7 @@ def test_cuda_layers_round_trip(transport: str) -> None:
 
 
 def test_nccl_manager_constructs() -> None:
-    manager = get_manager_class("nccl")()
+    manager = get_manager_class("nccl")(insecure=True)
     try:
         assert manager.supports_gpu_direct and manager.endpoint
     finally:

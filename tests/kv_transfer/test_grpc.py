@@ -1,11 +1,20 @@
-"""gRPC-specific behaviour: frames split into many Push messages are reassembled exactly."""
+"""gRPC-specific behaviour: frames split into many Push messages are reassembled exactly; nothing is allocated on a
+header's word, and a message or frame that cannot be verified is refused alone while its transfer goes on."""
 
 from __future__ import annotations
 
+import math
 import time
 
-from kv_transfer import KVPoll
-from tests.kv_transfer.kvutil import Collector, make_kv, make_layout, make_manager
+import grpc
+import pytest
+import torch
+
+from kv_transfer import KVPoll, ProtocolError, frames
+from kv_transfer.grpc.server import PUSH, unpack_summary
+from tests.kv_transfer.kvutil import Collector, inject_after_layer0, make_kv, make_layout, make_manager, wait_until
+
+HUGE = 1 << 40  # what a forged header may name
 
 
 def test_frames_split_into_many_messages() -> None:
@@ -24,4 +33,66 @@ def test_frames_split_into_many_messages() -> None:
         assert sink.matches(layout, 3, seed=2) and receiver.meta == {"n": 1}
     finally:
         prefill.close()
+        decode.close()
+
+
+@pytest.fixture
+def big_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every ``torch.empty`` of more than 64 Mi elements while the test runs (each raises MemoryError)."""
+    seen: list[int] = []
+    empty = torch.empty
+
+    def spy(*size, **kwargs):
+        dims = size[0] if len(size) == 1 and isinstance(size[0], tuple | list | torch.Size) else size
+        if math.prod(dims) > 64 << 20:
+            seen.append(math.prod(dims))
+            raise MemoryError(f"test: torch.empty{tuple(dims)}")
+        return empty(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", spy)
+    return seen
+
+
+def test_unverifiable_messages_mid_stream_are_refused_alone(monkeypatch, big_allocations) -> None:
+    """In the middle of a transfer's stream: a header naming 1 TiB (its MAC stale), bytes that are no header, and a
+    forged frame of another version with its payload. Each is refused and counted, nothing is allocated for the
+    1 TiB, and the layers after them still count: the transfer completes bit-exact."""
+    def forged(header: dict, payload: torch.Tensor) -> list[tuple[bytes, torch.Tensor | None]]:
+        return [(frames.pack({**header, "layer": 1, "nbytes": HUGE}), None), (b"\xc1 no header", None),
+                (frames.pack({**header, "layer": 1, "v": 99}), payload)]
+
+    decode, prefill = make_manager("grpc"), make_manager("grpc")
+    try:
+        lease = decode.lease("mid-stream", num_blocks=2, layout=make_layout(), deadline_s=time.time() + 20)
+        sink = Collector()
+        receiver = decode.expect(lease, sink)
+        inject_after_layer0(None, monkeypatch, forged)
+        sender = prefill.sender(lease)
+        for layer in range(lease.layout.num_layers):
+            sender.send_layer(layer, *make_kv(lease.layout, 2, seed=9, layer=layer))
+        sender.finish({})
+        assert sender.wait(10) is KVPoll.SUCCESS, sender.failure_exception()
+        assert receiver.wait(5) is KVPoll.SUCCESS and sink.matches(lease.layout, 2, seed=9)
+        assert wait_until(lambda: decode.refused() == {"Unauthenticated": 3}), decode.refused()
+        assert big_allocations == []
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_header_naming_more_than_its_lease_allocates_nothing_without_auth(big_allocations) -> None:
+    """Auth off (explicit opt-out), a stranger's call: a layer header naming 1 TiB for a lease of 1 KiB layers is
+    refused before anything is read or allocated; the transfer it named fails typed."""
+    decode = make_manager("grpc", secret=None, insecure=True)
+    try:
+        lease = decode.lease("oversized", num_blocks=2, layout=make_layout(), deadline_s=time.time() + 20)
+        receiver = decode.expect(lease, Collector())
+        header = {"v": frames.FRAME_VERSION, "kind": "layer", "to": frames.TO_RECEIVER, "request_id": lease.request_id,
+                  "layer": 0, "nbytes": HUGE}
+        with grpc.insecure_channel(decode.endpoint) as channel:
+            summary = unpack_summary(channel.stream_unary(PUSH)(iter([frames.pack(header)]), timeout=10))
+        assert not summary["ok"] and "payload bytes" in summary["reason"]
+        assert receiver.poll() is KVPoll.FAILED and isinstance(receiver.failure_exception(), ProtocolError)
+        assert big_allocations == []
+    finally:
         decode.close()
