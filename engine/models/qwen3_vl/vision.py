@@ -74,8 +74,9 @@ class Attention(nn.Module):
     def rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[tuple[int, int, int]],
              r0: int, r1: int) -> torch.Tensor:
         """The attention output of query rows ``[r0, r1)`` only (each row attends to its own frame, as
-        :meth:`forward`), projected: ``[r1 - r0, hidden]``."""
-        h, out = self.num_heads, []
+        :meth:`forward`), projected: ``[r1 - r0, hidden]``. ``k`` and ``v`` come head-major, ``[heads, tokens,
+        head_dim]`` contiguous (:meth:`QwenVisionTower.advance` lays them out once a block)."""
+        out = []
         for start, frames, n in segments:
             for f in range(frames):
                 lo, hi = start + f * n, start + (f + 1) * n
@@ -83,7 +84,7 @@ class Attention(nn.Module):
                 if a >= b:
                     continue
                 q_ = q[a:b].unsqueeze(0).transpose(1, 2).contiguous()
-                k_, v_ = (y[lo:hi].unsqueeze(0).transpose(1, 2).contiguous() for y in (k, v))
+                k_, v_ = (y[:, lo:hi].unsqueeze(0) for y in (k, v))  # [heads, tokens, head_dim] once per block
                 out.append(F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2).reshape(b - a, -1))
         return self.proj(out[0] if len(out) == 1 else torch.cat(out))
 
@@ -189,7 +190,8 @@ class QwenVisionTower(nn.Module):
         if rows is not None and job.next_block < len(self.blocks):
             blk = self.blocks[job.next_block]
             if job.partial is None:
-                job.partial = (*blk.attn.project(blk.norm1(job.x), job.cos, job.sin_signed), torch.empty_like(job.x))
+                q, k, v = blk.attn.project(blk.norm1(job.x), job.cos, job.sin_signed)
+                job.partial = (q, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), torch.empty_like(job.x))
                 job.next_row = 0
             r0, r1 = job.next_row, min(job.x.shape[0], job.next_row + max(1, rows))
             job.partial[3][r0:r1] = blk.rows(job.x, job.partial[:3], job.segments, r0, r1)
