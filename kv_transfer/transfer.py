@@ -103,8 +103,7 @@ class Transfer:
 
     def verify(self, header: dict[str, Any], payload: Payload) -> None:
         """Transport thread, before ``handle_frame``: raise :class:`~kv_transfer.base.Unauthenticated` (or a subclass)
-        for a frame that is not the peer's next one for this lease. ``payload`` may still be the messages it came in
-        (a list of bytes), so that a transport need not allocate it before it is verified."""
+        for a frame that is not the peer's next one for this lease; ``payload`` may still be its messages (bytes)."""
         if self.auth is not None:
             self.auth.verify(header, payload)
 
@@ -302,8 +301,7 @@ class BaseReceiver(Transfer, KVReceiver):
 
     @property
     def max_payload_nbytes(self) -> int:
-        """The most payload bytes one frame of this lease can carry (a layer under any codec of this package, or a
-        state frame): a transport keeps no more than this for one header before the frame is verified."""
+        """Most payload bytes one frame of this lease can carry (any codec's layer, or a state frame), unverified."""
         layers = max_layer_payload(self.lease.layout, self.lease.num_blocks)
         return layers if self.lease.state is None else max(layers, self.lease.state.frame_nbytes)
 

@@ -33,6 +33,10 @@ def response_format_spec(fmt: Any) -> StructuredOutputsParams | None:
         schema = js.get("schema") if isinstance(js, dict) else None
         if not isinstance(schema, dict):
             raise InvalidRequestError("'response_format.json_schema.schema' must be a JSON Schema object")
+        for field, kind_ in (("name", str), ("strict", bool)):  # as the API description types them (or null)
+            if js.get(field) is not None and not isinstance(js[field], kind_):
+                raise InvalidRequestError(f"'response_format.json_schema.{field}' must be a "
+                                          f"{'string' if kind_ is str else 'boolean'} or null")
         spec = StructuredOutputsParams(json=schema)
     else:
         raise InvalidRequestError("'response_format.type' must be one of text, json_object, json_schema")

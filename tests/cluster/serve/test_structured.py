@@ -89,7 +89,8 @@ def test_json_object_and_truncation(oai, serve_cluster):
     {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/definitions/nowhere"}}},
     {"type": "json_schema", "json_schema": {"name": "x"}},
     {"type": "yaml"},
-], ids=["bad-type", "bad-ref", "no-schema", "unknown-format"])
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": [None]}},
+], ids=["bad-type", "bad-ref", "no-schema", "unknown-format", "strict-not-boolean"])
 def test_a_schema_that_does_not_compile_is_a_400_with_nothing_held(oai, serve_cluster, fmt):
     with pytest.raises(openai.BadRequestError, match="response_format|schema|compile|objekt|nowhere"):
         oai.chat.completions.create(model="duet-demo", messages=ASK, max_tokens=8, response_format=fmt)
