@@ -51,13 +51,13 @@ from duet_bench import serve_predict
 from duet_bench.serve_workload import (
     Arrival,
     NoBar,
+    breakdown_table,
     drive_colocated,
     drive_disagg,
     make_workload,
     prompt_tokens,
     summarise,
 )
-from cluster.control.timeline import BREAKDOWN
 from cluster.report import fmt, format_table, ms, write_json
 
 RATES = (0.5, 1.0, 2.0, 4.0)
@@ -203,17 +203,6 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
             row["prediction_errors"] = serve_predict.errors(row["predicted"], row)
         row["leaked_blocks"] = sum(row_leaks.values())
     return rows, profiles
-
-
-def breakdown_table(rows: list[dict]) -> str:
-    """Per rate: the disaggregated requests' median TTFT, stage by stage (ms; medians, so they need not add up)."""
-    out = []
-    for r in rows:
-        b = r["disaggregated"].get("ttft_breakdown_p50")
-        if b is not None:
-            out.append([f"{r['rate']:g}/s", *(fmt(ms(b[k])) for k in BREAKDOWN)])
-    heads = [k.removesuffix("_s").replace("_", " ") for k in BREAKDOWN]
-    return format_table(["rate", *heads], out)
 
 
 def prefill_shares(before: list[dict], after: list[dict]) -> dict:

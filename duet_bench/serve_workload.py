@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cluster.control.timeline import BREAKDOWN, RequestClock
+from cluster.report import fmt, format_table, ms
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,17 @@ def breakdown_p50(records: list[dict]) -> dict[str, float] | None:
     if not rows:
         return None
     return {k: float(np.median([b.get(k, 0.0) for b in rows])) for k in BREAKDOWN}
+
+
+def breakdown_table(rows: list[dict]) -> str:
+    """Per rate: the disaggregated requests' median TTFT, stage by stage (ms; medians, so they need not add up)."""
+    out = []
+    for r in rows:
+        b = r["disaggregated"].get("ttft_breakdown_p50")
+        if b is not None:
+            out.append([f"{r['rate']:g}/s", *(fmt(ms(b[k])) for k in BREAKDOWN)])
+    heads = [k.removesuffix("_s").replace("_", " ") for k in BREAKDOWN]
+    return format_table(["rate", *heads], out)
 
 
 def sampling_params(a: Arrival):

@@ -119,7 +119,7 @@ class LLMEngine:
         self._seed(seq)
         self.requests[request_id] = seq
         # a Qwen3-VL prompt with images joins the scheduler once they are encoded (the vision stage)
-        (self.encoding if self.encoding.takes(seq, self.model_config.is_qwen_vl) else self.scheduler).add(seq)
+        (self.encoding if self.encoding.takes(seq) else self.scheduler).add(seq)
 
     def _seed(self, seq: Sequence) -> None:
         """Seeded requests: one generator per choice (choice 0's samples every first token of an ``n > 1`` request)."""

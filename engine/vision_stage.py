@@ -44,9 +44,9 @@ class VisionStage:
     def __len__(self) -> int:
         return len(self.queue)
 
-    def takes(self, seq: Sequence, is_qwen_vl: bool) -> bool:
+    def takes(self, seq: Sequence) -> bool:
         """Whether ``seq`` waits here: slicing is on and it is a Qwen3-VL prompt with images."""
-        return self.slice_s is not None and seq.mm is not None and is_qwen_vl
+        return self.slice_s is not None and seq.mm is not None and self.runner.model.cfg.is_qwen_vl
 
     def add(self, seq: Sequence) -> None:
         seq.metrics.vision_ahead = True
