@@ -75,7 +75,8 @@ class PrefillActor(WorkerActorBase):
                                  free_blocks=e.block_manager.num_free_blocks,
                                  kv_pool_bytes=kv.pool_bytes, kv_mirror_bytes=kv.mirror_bytes,
                                  kv_state_bytes=kv.state_bytes, prefix_cache_off=e.prefix_caching_off_reason,
-                                 kv_refused=self.manager.refused(), cpu_s=time.process_time())  # every thread's: compute, intake, KV sends
+                                 kv_refused=self.manager.refused(), kv_links_replaced=getattr(self.manager, "links_replaced", 0),
+                                 cpu_s=time.process_time())  # every thread's: compute, intake, KV sends
 
     def inject_fault(self, kind: str, value: float) -> None:
         """Tests only: ``layer_delay_s`` (seconds after each layer's compute) or ``corrupt_next`` (count)."""

@@ -11,6 +11,7 @@ by the Push handler thread [TRANSFERRING] -> ``finish`` verified [SUCCESS].
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -28,7 +29,30 @@ from kv_transfer.grpc.server import PUSH, SERVICE, PushHandler, Receiver
 from kv_transfer.transfer import TERMINAL, Transfer
 from kv_transfer.watch import DeadlineWatch
 
+log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20
+
+
+def link_options(keepalive_s: float) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(channel options, server options) that keep a broken HTTP/2 connection from holding the link: both sides ping
+    every ``keepalive_s`` and close a connection whose ping is unanswered within ``2 * keepalive_s`` (a byte flipped
+    in a frame length desyncs a connection without closing it: every call on it would wait for its deadline); a
+    closed link redials after at most 2 s (gRPC's default backoff grows to 120 s). The server accepts the pings."""
+    ms = max(1, int(keepalive_s * 1000))
+    ping = [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", 2 * ms),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+    channel = ping + [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 500),
+                      ("grpc.max_reconnect_backoff_ms", 2000)]
+    server = ping + [("grpc.http2.min_ping_interval_without_data_ms", ms // 2),
+                     ("grpc.http2.max_ping_strikes", 0)]
+    return channel, server
+
+
+class _Link:
+    """One decode endpoint's channel and when a Push call on it was last answered (``time.monotonic()``)."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.channel, self.answered_at = channel, time.monotonic()
 
 
 class Manager(KVManager):
@@ -36,7 +60,12 @@ class Manager(KVManager):
     ("host:port"): this side's Push calls dial the decode side through that HTTP CONNECT proxy (a site's egress
     proxy; the chaos soak's fault proxy, :mod:`duet_bench.chaos.proxy`). ``secret``: the cluster's data-plane key;
     without one the manager is built only with the explicit ``insecure=True`` (``data_plane_auth: "off"``), else
-    :class:`~kv_transfer.auth.MissingSecret`."""
+    :class:`~kv_transfer.auth.MissingSecret`.
+
+    A wedged channel is replaced: when a Push call runs into its deadline and no call on its channel was answered
+    since it started, the channel is closed (its other calls end, as stuck as this one) and the next sender dials
+    afresh (``links_replaced`` counts them). Pings alone do not catch every wedge: a corrupted byte can leave the
+    connection answering pings while no stream moves. ``keepalive_s``: HTTP/2 ping period of both ends (:func:`link_options`)."""
 
     name = "grpc"
     supports_gpu_direct = False
@@ -46,7 +75,8 @@ class Manager(KVManager):
 
     def __init__(self, *, worker_id: str | None = None, host: str = "127.0.0.1", port: int = 0,
                  codec: str = "identity", chunk_bytes: int = CHUNK_BYTES, max_concurrent: int = 32,
-                 secret: ClusterSecret | None = None, insecure: bool = False, proxy: str | None = None) -> None:
+                 secret: ClusterSecret | None = None, insecure: bool = False, proxy: str | None = None,
+                 keepalive_s: float = 2.0) -> None:
         self._auth = DataPlaneAuth.for_manager(self.name, secret, insecure=insecure, required=self.cross_process)
         if not 0 < chunk_bytes <= CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes}")
@@ -54,16 +84,20 @@ class Manager(KVManager):
         self._codec: Codec = get_codec(codec)
         self._chunk_bytes = chunk_bytes
         self._proxy = proxy
+        if not 0.1 <= keepalive_s <= 60:
+            raise ValueError(f"keepalive_s must be in [0.1, 60], got {keepalive_s}")
+        self._channel_options, server_options = link_options(keepalive_s)
         self._limit = chunk_bytes + (1 << 20)  # room for a large header message
         self._lock = threading.Lock()
         self._live: dict[tuple[str, str], Transfer] = {}
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, _Link] = {}
+        self.links_replaced = 0
         self._closed = False
         self._watch = DeadlineWatch(f"kv-deadline-{self._worker_id}")
         self._pool = futures.ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix=f"kv-push-{self._worker_id}")
         self._server = grpc.server(
             self._pool,
-            options=[("grpc.max_receive_message_length", self._limit), ("grpc.so_reuseport", 0)])
+            options=[("grpc.max_receive_message_length", self._limit), ("grpc.so_reuseport", 0), *server_options])
         handler = grpc.stream_unary_rpc_method_handler(PushHandler(self._lookup, self._auth))
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Push": handler}),))
         bound = self._server.add_insecure_port(f"{host}:{port}")
@@ -85,12 +119,14 @@ class Manager(KVManager):
 
     def sender(self, lease: Lease, *, codec: Codec | None = None) -> Sender:
         self._check(lease)
-        push = self._channel(lease.endpoint).stream_unary(PUSH)
+        link = self._channel(lease.endpoint)
+        push = link.channel.stream_unary(PUSH)
         with self._lock:
             if ("sender", lease.request_id) in self._live:
                 raise ValueError(f"a live transfer for request {lease.request_id!r} already exists here")
         sender = Sender(lease, push=push, codec=self._codec if codec is None else codec, chunk_bytes=self._chunk_bytes,
-                        on_terminal=self._forget, secret=self._auth.secret)
+                        on_terminal=self._forget, secret=self._auth.secret,
+                        on_call_end=lambda started, answered: self._call_ended(lease.endpoint, link, started, answered))
         self._register("sender", sender)
         return sender
 
@@ -118,8 +154,8 @@ class Manager(KVManager):
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.close()
+        for link in channels:
+            link.channel.close()
         self._watch.close()
 
     # -- internals -----------------------------------------------------------------------------------------------
@@ -149,13 +185,26 @@ class Manager(KVManager):
             t = self._live.get(("receiver", request_id))
         return t if isinstance(t, Receiver) else None
 
-    def _channel(self, endpoint: str) -> grpc.Channel:
+    def _call_ended(self, endpoint: str, link: _Link, started: float, answered: bool) -> None:
         with self._lock:
-            channel = self._channels.get(endpoint)
-            if channel is None:
+            if answered:
+                link.answered_at = max(link.answered_at, time.monotonic())
+                return
+            if link.answered_at >= started or self._channels.get(endpoint) is not link:
+                return
+            del self._channels[endpoint]
+            self.links_replaced += 1
+        log.warning("KV link to %s answered no Push call for %.1f s: closing it, the next transfer dials afresh",
+                    endpoint, time.monotonic() - link.answered_at)
+        threading.Thread(target=link.channel.close, name="kv-link-close", daemon=True).start()  # not on gRPC's thread
+
+    def _channel(self, endpoint: str) -> _Link:
+        with self._lock:
+            link = self._channels.get(endpoint)
+            if link is None:
                 options = [("grpc.max_send_message_length", self._limit),
-                           ("grpc.max_receive_message_length", self._limit)]
+                           ("grpc.max_receive_message_length", self._limit), *self._channel_options]
                 if self._proxy:
                     options.append(("grpc.http_proxy", f"http://{self._proxy}"))
-                channel = self._channels[endpoint] = grpc.insecure_channel(endpoint, options=options)
-            return channel
+                link = self._channels[endpoint] = _Link(grpc.insecure_channel(endpoint, options=options))
+            return link

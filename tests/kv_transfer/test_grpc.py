@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent import futures
 
 import grpc
 import pytest
 import torch
 
+from duet_bench.chaos.proxy import FaultProxy
 from kv_transfer import KVPoll, ProtocolError, frames
 from kv_transfer.grpc.server import PUSH, unpack_summary
 from tests.kv_transfer.kvutil import Collector, inject_after_layer0, make_kv, make_layout, make_manager, wait_until
@@ -96,3 +98,66 @@ def test_a_header_naming_more_than_its_lease_allocates_nothing_without_auth(big_
         assert big_allocations == []
     finally:
         decode.close()
+
+
+def _transfer(decode, prefill, rid: str, *, deadline_s: float = 1.5) -> bool:
+    """One small transfer prefill -> decode; True when both ends reach SUCCESS and the data is exact."""
+    layout = make_layout("float32")
+    lease = decode.lease(rid, num_blocks=2, layout=layout, deadline_s=time.time() + deadline_s)
+    sink = Collector()
+    receiver = decode.expect(lease, sink)
+    sender = prefill.sender(lease)
+    for layer in range(layout.num_layers):
+        sender.send_layer(layer, *make_kv(layout, 2, seed=5, layer=layer))
+    sender.finish({"n": 1})
+    ok = receiver.wait(deadline_s + 5) is KVPoll.SUCCESS and sender.wait(deadline_s + 5) is KVPoll.SUCCESS
+    return ok and sink.matches(layout, 2, seed=5)
+
+
+def test_a_wedged_link_is_replaced_and_a_healthy_one_kept() -> None:
+    """A link that stops answering (the proxy holds every byte, nothing closes) is closed once a Push call runs into
+    its deadline with no call answered meanwhile; the next transfer dials afresh. A transfer that times out on a
+    link that still answers (the sender never finishes) replaces nothing."""
+    proxy = FaultProxy()
+    decode, prefill = make_manager("grpc"), make_manager("grpc", proxy=proxy.address)
+    try:
+        assert _transfer(decode, prefill, "warm")
+        layout = make_layout("float32")
+        lease = decode.lease("unfinished", num_blocks=2, layout=layout, deadline_s=time.time() + 1.0)
+        receiver, sender = decode.expect(lease, Collector()), prefill.sender(lease)
+        assert receiver.wait(10) is KVPoll.FAILED and sender.wait(10) is KVPoll.FAILED
+        assert wait_until(lambda: sender.call.done(), 10) and prefill.links_replaced == 0
+        proxy.set_mode("stall")
+        assert not _transfer(decode, prefill, "stalled", deadline_s=1.0)
+        assert wait_until(lambda: prefill.links_replaced == 1, 10)
+        proxy.set_mode("forward")
+        assert _transfer(decode, prefill, "after") and proxy.connections == 2
+        assert prefill.num_active() == 0 and wait_until(lambda: decode.num_active() == 0, 10)
+    finally:
+        prefill.close()
+        decode.close()
+        proxy.close()
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_link_recovers_within_a_deadline_after_corrupted_bytes(seed: int) -> None:
+    """Bits flipped in the prefill -> decode byte stream while transfers run (HTTP/2 frames included, which can
+    leave a connection answering pings while no stream moves): once the bytes flow clean again, a transfer
+    succeeds within a couple of lease deadlines, not after minutes."""
+    proxy = FaultProxy(seed=seed)
+    decode, prefill = make_manager("grpc"), make_manager("grpc", proxy=proxy.address)
+    try:
+        assert _transfer(decode, prefill, "warm")
+        proxy.set_mode("corrupt")
+        with futures.ThreadPoolExecutor(32) as pool:  # a transfer started every 0.1 s for 3 s
+            for i in range(30):
+                pool.submit(_transfer, decode, prefill, f"c{i}", deadline_s=2.0)
+                time.sleep(0.1)
+            proxy.set_mode("forward")
+            assert proxy.corrupted_chunks > 0
+            assert any(_transfer(decode, prefill, f"p{i}", deadline_s=2.0) for i in range(3)), prefill.links_replaced
+        assert wait_until(lambda: prefill.num_active() == 0 and decode.num_active() == 0, 10)
+    finally:
+        prefill.close()
+        decode.close()
+        proxy.close()
