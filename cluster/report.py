@@ -52,6 +52,9 @@ def machine_table(machine: dict, bound: dict[str, dict]) -> str:
     head = (f"machine: read {fmt(machine['read_gbps'])} GB/s, matmul {fmt(machine['matmul_square_gflops'])} GFLOP/s "
             f"({machine['square_n']}^3), {fmt(machine['matmul_skinny_gflops'])} GFLOP/s "
             f"({'x'.join(map(str, machine['skinny_shape']))}), {machine['threads']} threads")
+    if machine.get("cpu"):
+        cpu = machine["cpu"]
+        head += f"; CPU {cpu['model']}, {cpu['logical_cpus']} logical, {' '.join(cpu['flags']) or 'no AVX flags'}"
     header = ["decode", "MB/step", "MFLOP/step", "bound ms", "limited by", "bound tok/s", "duet tpot ms", "of bound"]
     rows = []
     for b in bound.values():

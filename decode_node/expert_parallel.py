@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from decode_node.expert_dispatch import run_layer
 from decode_node.expert_group import ExpertGroup, TickPlan
@@ -73,8 +72,7 @@ class ExpertParallel:
         for li, moe in enumerate(moes):
             moe.executor = functools.partial(self._run, li)
             # this worker computes only its slots: drop the replicated [E, ...] expert tensors the loader filled
-            moe.gate_up_proj = nn.Parameter(moe.gate_up_proj.new_empty(0, *moe.gate_up_proj.shape[1:]), False)
-            moe.down_proj = nn.Parameter(moe.down_proj.new_empty(0, *moe.down_proj.shape[1:]), False)
+            moe.release_experts()
         n, window = len(self.moe_layers), dict(bucket_ticks=config.bucket_ticks, buckets=config.window_buckets)
         self.expert_load = LoadWindow(n, t.num_experts, self.device, **window)  # this rank's tokens, per expert
         self.slot_rows = LoadWindow(n, config.slots_per_worker, self.device, **window)  # rows this rank computed

@@ -45,7 +45,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from decode_node.expert_residency import Acquired, Key, Residency
 from engine import LLMEngine
@@ -168,14 +167,13 @@ class ExpertTiers:
         self.act = self.moes[0].act
         self.host_gu, self.host_down = [], []
         for moe in self.moes:
-            gu, down = moe.gate_up_proj.detach().to("cpu"), moe.down_proj.detach().to("cpu")
+            gu, down = (w.detach().to("cpu") for w in moe.expert_weights())
             if self.cuda:
                 gu, down = gu.pin_memory(), down.pin_memory()
             self.host_gu.append(gu)
             self.host_down.append(down)
             # the device keeps only the slots: drop the all-resident [E, ...] tensors the loader filled
-            moe.gate_up_proj = nn.Parameter(moe.gate_up_proj.new_empty(0, *moe.gate_up_proj.shape[1:]), False)
-            moe.down_proj = nn.Parameter(moe.down_proj.new_empty(0, *moe.down_proj.shape[1:]), False)
+            moe.release_experts()
         n = self.res.num_slots
         self.dev_gu = torch.empty(n, *self.host_gu[0].shape[1:], dtype=self.host_gu[0].dtype, device=self.device)
         self.dev_down = torch.empty(n, *self.host_down[0].shape[1:], dtype=self.host_down[0].dtype, device=self.device)

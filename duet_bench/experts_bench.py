@@ -229,7 +229,8 @@ def record_demo_trace(model_dir: Path, n: int, *, max_num_seqs: int = 4, max_tok
     finally:
         del runner.execute
     m = moes[0]
-    nbytes = (m.gate_up_proj[0].numel() + m.down_proj[0].numel()) * m.gate_up_proj.element_size()
+    gu, down = m.expert_weights()
+    nbytes = (gu[0].numel() + down[0].numel()) * gu.element_size()
     return Trace(len(moes), num_e, m.top_k, steps, float(nbytes))
 
 

@@ -13,6 +13,8 @@ step time reaches (1.0 = at the machine's limit).
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -40,7 +42,29 @@ class MachineRates:
         return max(self.matmul_square_gflops, self.matmul_skinny_gflops)
 
     def to_json(self) -> dict:
-        return asdict(self) | {"best_matmul_gflops": self.best_gflops}
+        return asdict(self) | {"best_matmul_gflops": self.best_gflops, "cpu": cpu_description()}
+
+
+_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
+          "amx_int8", "avx_vnni")
+
+
+def cpu_description() -> dict:
+    """The host's CPU as every bench JSON records it: model name, logical CPUs, and the vector flags that change
+    which kernels win (Linux ``/proc/cpuinfo``; elsewhere the platform's processor string and no flags)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return {"model": model, "logical_cpus": os.cpu_count(), "flags": [f for f in _FLAGS if f in flags]}
 
 
 def _best_seconds(fn: Callable[[], object], reps: int, device: torch.device) -> float:

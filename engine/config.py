@@ -181,6 +181,9 @@ class EngineConfig:
     # hybrid models (Qwen3.5): sequences that can hold a GDN state slot at once (running, prefilling or receiving a
     # transfer); None: max_num_seqs. Its memory comes off kv_cache_memory_gb before the KV pool is sized.
     max_num_state_slots: int | None = None
+    # CPU linear layers: "auto" times F.linear against oneDNN with a packed weight per weight shape at load and uses
+    # the faster per row range; "packed" always packs, "native" never (engine.cpu_linear)
+    cpu_linear: str = "auto"
     scheduling_policy: str = "fcfs"  # admission order: "fcfs" or "shortest" (engine.scheduler)
     scheduling_max_wait_s: float = 10.0  # "shortest": a prompt waiting this long goes first
     seed: int = 0
@@ -198,6 +201,8 @@ class EngineConfig:
             raise ValueError("max_num_state_slots must be >= 1 (or None)")
         if self.decode_mirror_tokens is not None and self.decode_mirror_tokens < 1:
             raise ValueError("decode_mirror_tokens must be >= 1 (or None)")
+        if self.cpu_linear not in ("auto", "packed", "native"):
+            raise ValueError(f"cpu_linear must be 'auto', 'packed' or 'native', got {self.cpu_linear!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(POLICIES)}, got {self.scheduling_policy!r}")
         if self.vision_slice_s is not None and not self.vision_slice_s > 0:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -29,6 +30,23 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "relu": F.relu,
 }
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same checkpoint keys) whose forward runs through the kernel
+    :func:`engine.cpu_linear.pack_linears` gave it (oneDNN with a packed weight where that was measured faster), or
+    ``F.linear`` until then."""
+
+    kernel = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def pack_linears(self, make) -> list:
+        self.kernel = make(self.weight, self.bias)
+        return [self.kernel]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

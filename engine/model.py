@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, LayerKV
 from engine.config import ModelConfig, model_family
+from engine.cpu_linear import pack_linears
 from engine.loader import load_weights
 from engine.models.llava.vision import VisionEncoder
 from engine.models.qwen3_vl.vision import QwenVisionTower
@@ -32,9 +33,12 @@ class LlavaModel(nn.Module):
         if cfg.vision is not None:
             self.vision = model_family(cfg.model_type).build_vision(cfg)
         self.text: TextModel = model_family(cfg.text.model_type, text=True).build_text(cfg.text)
+        self.linear_kernels = {"layers": 0, "packed": 0}  # set at load on CPU (engine.cpu_linear)
 
     @classmethod
-    def load(cls, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> LlavaModel:
+    def load(cls, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+             cpu_linear: str = "auto") -> LlavaModel:
+        """``cpu_linear``: how linear layers run on CPU (:func:`engine.cpu_linear.pack_linears`)."""
         with torch.device("meta"):
             model = cls(cfg)
         model = model.to_empty(device=device).to(dtype)
@@ -43,6 +47,8 @@ class LlavaModel(nn.Module):
         with torch.no_grad():
             load_weights(model, Path(model_dir), cfg, model_family(cfg.model_type), dtype)
             model.text.finalize()
+            if torch.device(device).type == "cpu":
+                model.linear_kernels = pack_linears(model, cpu_linear)
         return model.eval().requires_grad_(False)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:

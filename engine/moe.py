@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import ACTIVATIONS
+from engine.layers import ACTIVATIONS, Linear
 from engine.text_config import TextConfig
 
 
@@ -29,7 +29,7 @@ class SparseMoe(nn.Module):
         self.num_experts, self.top_k = e, cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
         self.weights_in_model_dtype = cfg.router_weights_in_model_dtype
-        self.gate = nn.Linear(h, e, bias=False)
+        self.gate = Linear(h, e, bias=False)
         # Output-major, as transformers stores them: [E, 2I, H] (gate rows, then up rows) and [E, H, I]. Grouped GEMM
         # takes transposed views; measured faster than input-major copies for both decode (few rows per expert)
         # and prefill shapes.
@@ -40,6 +40,35 @@ class SparseMoe(nn.Module):
         self.record_routing = False
         self.last_experts: torch.Tensor | None = None  # [T, k] of the last forward, when record_routing is set
         self.executor: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._packed: list[tuple[Callable, Callable]] | None = None  # per expert (gate_up, down): pack_linears
+
+    def pack_linears(self, make) -> list:
+        """CPU (:mod:`engine.cpu_linear`): when packed weights were measured faster over the row counts of both
+        expert shapes (``everywhere``), each expert runs through its own packed kernels and the [E, ...] tensors are dropped (one copy
+        of the experts, not two; :meth:`expert_weights` rebuilds them). Otherwise the experts stay as they are."""
+        if self.executor is not None or self.gate_up_proj.shape[0] == 0:
+            return []
+        probe = make(self.gate_up_proj[0], None, everywhere=True), make(self.down_proj[0], None, everywhere=True)
+        if not all(k.weight is None for k in probe):
+            return []
+        self._packed = [(make(gu, None, everywhere=True), make(down, None, everywhere=True))
+                        for gu, down in zip(self.gate_up_proj, self.down_proj)]
+        self.release_experts(keep_packed=True)
+        return [k for pair in self._packed for k in pair]
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All experts' (gate_up [E, 2I, H], down [E, H, I]), plain tensors (rebuilt when packed)."""
+        if self._packed is None:
+            return self.gate_up_proj, self.down_proj
+        return (torch.stack([gu.dense() for gu, _ in self._packed]),
+                torch.stack([down.dense() for _, down in self._packed]))
+
+    def release_experts(self, *, keep_packed: bool = False) -> None:
+        """Drop the all-resident expert tensors (an ``executor`` computes the experts elsewhere)."""
+        self.gate_up_proj = nn.Parameter(self.gate_up_proj.new_empty(0, *self.gate_up_proj.shape[1:]), False)
+        self.down_proj = nn.Parameter(self.down_proj.new_empty(0, *self.down_proj.shape[1:]), False)
+        if not keep_packed:
+            self._packed = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k], expert ids [T, k])."""
@@ -65,9 +94,27 @@ class SparseMoe(nn.Module):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         token = order // self.top_k
         xs = x[token]  # [S, H], S = T * k, grouped by expert
-        gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offsets).chunk(2, dim=-1)
-        y = grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offsets) * weights.view(-1)[order].unsqueeze(1)
+        if self._packed is not None:
+            y = self._run_packed(xs, offsets)
+        else:
+            gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offsets).chunk(2, dim=-1)
+            y = grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offsets)
+        y = y * weights.view(-1)[order].unsqueeze(1)
         return torch.zeros(t, h, dtype=y.dtype, device=y.device).index_add_(0, token, y).to(x.dtype)
+
+
+    def _run_packed(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The experts over rows grouped by expert, each through its packed kernels; experts without rows cost
+        nothing."""
+        out = xs.new_empty(xs.shape[0], xs.shape[1])
+        start = 0
+        for e, end in enumerate(offsets.tolist()):
+            if end > start:
+                gate_up, down = self._packed[e]
+                gate, up = gate_up(xs[start:end]).chunk(2, dim=-1)
+                out[start:end] = down(self.act(gate) * up)
+            start = end
+        return out
 
 
 def _native_grouped_mm_ok(x: torch.Tensor) -> bool:
@@ -98,8 +145,8 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 class DenseMlp(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,12 +5,14 @@ Input is a flat batch of tokens (see :mod:`engine.attention`); hidden states are
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, LayerKV, paged_attention
-from engine.layers import apply_rotary, rms_norm
+from engine.layers import Linear, apply_rotary, rms_norm
 from engine.moe import DenseMlp, SparseMoe
 from engine.text_config import TextConfig
 
@@ -24,7 +26,7 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
         self.eps = cfg.rms_norm_eps
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
@@ -38,10 +40,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 kv: LayerKV) -> torch.Tensor:
-        t, nqk = x.shape[0], (self.h + self.kvh) * self.d
-        w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        qk = F.linear(x, w[:nqk], None if b is None else b[:nqk]).view(t, self.h + self.kvh, self.d)
-        v = F.linear(x, w[nqk:], None if b is None else b[nqk:]).view(t, self.kvh, self.d)
+        t = x.shape[0]
+        qk = self._qk(x).view(t, self.h + self.kvh, self.d)
+        v = self._v(x).view(t, self.kvh, self.d)
         if self.qk_norm:
             qk = rms_norm(qk, self._qk_w, self.eps)
         qk = apply_rotary(qk, *rope)
@@ -49,9 +50,19 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.h * self.d))
 
     def finalize(self) -> None:
-        """Precompute derived weights after loading."""
+        """Precompute derived weights after loading: the q/k norm weights, and the q+k and v row blocks of the fused
+        projection as F.linear calls (:meth:`pack_linears` may swap in packed kernels)."""
         if self.qk_norm:
             self._qk_w = self.qk_norm_weight().contiguous()
+        nqk, w, b = (self.h + self.kvh) * self.d, self.qkv_proj.weight, self.qkv_proj.bias
+        self._qk_rows = (w[:nqk], None if b is None else b[:nqk])
+        self._v_rows = (w[nqk:], None if b is None else b[nqk:])
+        self._qk = functools.partial(F.linear, weight=self._qk_rows[0], bias=self._qk_rows[1])
+        self._v = functools.partial(F.linear, weight=self._v_rows[0], bias=self._v_rows[1])
+
+    def pack_linears(self, make) -> list:
+        self._qk, self._v = make(*self._qk_rows), make(*self._v_rows)
+        return [self._qk, self._v]
 
 
 class DecoderLayer(nn.Module):
@@ -76,7 +87,7 @@ class TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, embeds: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 kv_cache: list[LayerKV], deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -123,7 +123,8 @@ def test_dispatch_combine_equals_dense_moe(tiny_model_dir, world, table):
 
     def rank_fn(rank: int, group: ExpertGroup):
         held = table.worker_experts(rank)[0].tolist()
-        local = SlotWeights(moe.gate_up_proj[held].detach().clone(), moe.down_proj[held].detach().clone())
+        all_gu, all_down = moe.expert_weights()
+        local = SlotWeights(all_gu[held].detach().clone(), all_down[held].detach().clone())
         with torch.no_grad():
             weights, experts = moe.route(xs[rank])
             return run_layer(group, xs[rank], weights, experts, LayerRoute.from_table(table, 0, CPU), local, moe.act)
@@ -143,7 +144,8 @@ def test_expert_weights_read_per_slot_match_the_loaded_model(tiny_ckpt, layout, 
     llm = LLM(model_dir, **LLM_DEFAULTS)
     moe = llm.engine.model.text.layers[1].mlp
     gu, down = ExpertWeightSource(model_dir, dtype=torch.float32).read(1, [5, 2, 5])
-    assert torch.equal(gu, moe.gate_up_proj[[5, 2, 5]]) and torch.equal(down, moe.down_proj[[5, 2, 5]])
+    all_gu, all_down = moe.expert_weights()  # rebuilt from packed CPU kernels where the engine packed them
+    assert torch.equal(gu, all_gu[[5, 2, 5]]) and torch.equal(down, all_down[[5, 2, 5]])
 
 
 # ------------------------------------------------------------------------------------------- lockstep decode group

@@ -69,11 +69,14 @@ def _reference(path, ids: list[int], images: list[Image.Image], ref) -> tuple[li
     return g.sequences[0, len(ids):].tolist(), [x[0].float() for x in g.logits]
 
 
-def test_greedy_tokens_and_logits_match_reference(case):
+@pytest.mark.parametrize("cpu_linear", ["auto", "packed"])  # packed: every linear layer and expert through oneDNN
+def test_greedy_tokens_and_logits_match_reference(case, cpu_linear):
     spec, path = case
     ref = load_reference_model(path)
     prompts = _prompts(spec)
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=4)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=4, cpu_linear=cpu_linear)
+    if cpu_linear == "packed":
+        assert llm.engine.model.linear_kernels["packed"] == llm.engine.model.linear_kernels["layers"] > 0
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, return_logits=True)
     outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}} for ids, imgs in prompts],
                         params)

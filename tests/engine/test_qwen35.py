@@ -51,11 +51,12 @@ reference = pytest.fixture(scope="module", name="reference")(lambda ckpt: load_q
 CASES = {"one-image": [("100x61", 0)], "two-sizes": [("47x133", 2), ("150x170", 3)], "text-only": []}
 
 
+@pytest.mark.parametrize("cpu_linear", ["auto", "packed"])  # packed: every linear layer and expert through oneDNN
 @pytest.mark.parametrize("case", list(CASES))
-def test_generate_matches_transformers(ckpt, reference, case):
+def test_generate_matches_transformers(ckpt, reference, case, cpu_linear):
     images = [image(seed, SIZES[name]) for name, seed in CASES[case]]
     ids = build_prompt(images, ckpt, seed=len(case), text=5)
-    llm = LLM(ckpt, **ENGINE)
+    llm = LLM(ckpt, **ENGINE, cpu_linear=cpu_linear)
     assert_matches(llm.generate([request(ids, images)], greedy())[0],
                    *reference_generate(reference, ckpt, ids, images, 6))
     assert_no_leaked_blocks(llm)

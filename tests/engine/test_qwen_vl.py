@@ -119,11 +119,12 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("cpu_linear", ["auto", "packed"])  # packed: every linear layer and expert through oneDNN
 @pytest.mark.parametrize("case", list(CASES))
-def test_generate_matches_transformers(hf_dir, reference, case):
+def test_generate_matches_transformers(hf_dir, reference, case, cpu_linear):
     images = [image(seed, SIZES[name]) for name, seed in CASES[case]]
     ids = build_prompt(images, hf_dir, seed=len(case))
-    llm = LLM(hf_dir, **ENGINE)
+    llm = LLM(hf_dir, **ENGINE, cpu_linear=cpu_linear)
     assert_matches(llm.generate([request(ids, images)], greedy())[0], *reference_generate(reference, hf_dir, ids,
                                                                                           images, 6))
     assert_no_leaked_blocks(llm)

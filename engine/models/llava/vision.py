@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.layers import ACTIVATIONS
+from engine.layers import ACTIVATIONS, Linear
 from engine.models.llava.config import VisionConfig
 
 
@@ -23,10 +23,10 @@ class VisionLayer(nn.Module):
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.layer_norm1 = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layer_norm2 = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
-        self.qkv = nn.Linear(h, 3 * h)
-        self.out_proj = nn.Linear(h, h)
-        self.fc1 = nn.Linear(h, i)
-        self.fc2 = nn.Linear(i, h)
+        self.qkv = Linear(h, 3 * h)
+        self.out_proj = Linear(h, h)
+        self.fc1 = Linear(h, i)
+        self.fc2 = Linear(i, h)
         self.num_heads = cfg.num_heads
         self.act = ACTIVATIONS[cfg.hidden_act]
 
@@ -55,8 +55,8 @@ class VisionEncoder(nn.Module):
         self.drop_first = cfg.vision_feature_select_strategy == "default"
         in_dim = v.hidden_size * len(self.feature_layers)
         th = cfg.text.hidden_size
-        self.linear_1 = nn.Linear(in_dim, th, bias=cfg.projector_bias)
-        self.linear_2 = nn.Linear(th, th, bias=cfg.projector_bias)
+        self.linear_1 = Linear(in_dim, th, bias=cfg.projector_bias)
+        self.linear_2 = Linear(th, th, bias=cfg.projector_bias)
         self.proj_act = ACTIVATIONS[cfg.projector_hidden_act]
 
     @staticmethod

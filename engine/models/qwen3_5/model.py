@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, LayerKV, paged_attention
-from engine.layers import apply_rotary
+from engine.layers import Linear, apply_rotary
 from engine.models.qwen3_5.gdn import causal_conv, causal_conv_step, chunked_delta_rule, prepare_qk, recurrent_step
 from engine.moe import DenseMlp, SparseMoe
 from engine.state_cache import LayerState
@@ -41,8 +41,8 @@ class GatedAttention(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         self.h, self.kvh, self.d, self.r = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (2 * self.h + 2 * self.kvh) * self.d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, (2 * self.h + 2 * self.kvh) * self.d, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm, self.k_norm = nn.Parameter(torch.zeros(self.d)), nn.Parameter(torch.zeros(self.d))
         self.eps, self.scale = cfg.rms_norm_eps, self.d ** -0.5
 
@@ -87,15 +87,15 @@ class GatedDeltaNet(nn.Module):
         g = cfg.gdn
         assert g is not None
         self.g = g
-        self.in_proj_qkv = nn.Linear(cfg.hidden_size, g.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(cfg.hidden_size, g.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(cfg.hidden_size, g.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(cfg.hidden_size, g.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(cfg.hidden_size, g.conv_dim, bias=False)
+        self.in_proj_z = Linear(cfg.hidden_size, g.value_dim, bias=False)
+        self.in_proj_b = Linear(cfg.hidden_size, g.num_v_heads, bias=False)
+        self.in_proj_a = Linear(cfg.hidden_size, g.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(g.conv_dim, g.conv_dim, g.conv_kernel, groups=g.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(g.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(g.num_v_heads))
         self.norm = GatedRMSNorm(g.v_head_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(g.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(g.value_dim, cfg.hidden_size, bias=False)
 
     def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g, lead = self.g, y.shape[:-1]
@@ -144,7 +144,7 @@ class SharedExpertMoe(SparseMoe):
         super().__init__(cfg)
         self.weights_in_model_dtype = True  # the router casts top-k weights to the model dtype
         self.shared_expert = DenseMlp(dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size))
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -189,7 +189,7 @@ class HybridTextModel(TextModel):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.zeros(cfg.hidden_size))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(offset_rms_norm(hidden, self._norm_w1, self.cfg.rms_norm_eps)).float()

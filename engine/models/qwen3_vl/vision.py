@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import ACTIVATIONS, apply_rotary
+from engine.layers import ACTIVATIONS, Linear, apply_rotary
 from engine.models.qwen3_vl.config import QwenVisionConfig
 
 # Reference state_dict keys this tower deliberately has no parameter for (none: the rotary inv_freq is non-persistent).
@@ -47,8 +47,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: QwenVisionConfig) -> None:
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = Linear(cfg.hidden_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                 segments: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -92,8 +92,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: QwenVisionConfig) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
-        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.linear_fc1 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.linear_fc2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,8 +129,8 @@ class PatchMerger(nn.Module):
         self.dim = cfg.hidden_size * cfg.spatial_merge_size ** 2
         self.postshuffle = postshuffle
         self.norm = nn.LayerNorm(self.dim if postshuffle else cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.linear_fc1 = nn.Linear(self.dim, self.dim)
-        self.linear_fc2 = nn.Linear(self.dim, cfg.out_hidden_size)
+        self.linear_fc1 = Linear(self.dim, self.dim)
+        self.linear_fc2 = Linear(self.dim, cfg.out_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.view(-1, self.dim)) if self.postshuffle else self.norm(x).view(-1, self.dim)

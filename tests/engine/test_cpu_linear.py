@@ -1,0 +1,107 @@
+"""oneDNN linear layers with packed weights (engine.cpu_linear): the same results as F.linear to float rounding for
+every row count and dtype, experts packed without a second copy of their weights, and the modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_linear
+from engine.config import EngineConfig
+from engine.layers import Linear
+from engine.moe import SparseMoe
+from engine.text_config import TextConfig
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch build has no oneDNN linear ops")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_kernel_equals_f_linear(dtype, tol, bias):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 40, generator=g) * 0.1).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if bias else None
+    kernel = cpu_linear.LinearKernel(w, b, (True,) * len(cpu_linear.ROW_PROBES))
+    assert kernel.weight is None and torch.equal(kernel.dense(), w)  # packed everywhere: the plain copy is not kept
+    for shape in [(1, 40), (7, 40), (300, 40), (2, 5, 40), (0, 40)]:
+        x = torch.randn(*shape, generator=g).to(dtype)
+        got, want = kernel(x), F.linear(x, w, b)
+        assert got.shape == want.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_a_kernel_uses_each_row_range_as_measured():
+    w = torch.randn(64, 32)
+    kernel = cpu_linear.LinearKernel(w, None, (True, False, True))  # decode rows packed, mid-size batches not
+    assert kernel.weight is w and kernel.packed is not None
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:
+        def __call__(self, *a):
+            calls.append(a[0].shape[0])
+            return real(*a)
+
+    mkldnn = torch.ops.mkldnn
+    try:
+        torch.ops.mkldnn = type("M", (), {"_linear_pointwise": Spy()})()
+        for rows in (1, 16, 300):
+            torch.testing.assert_close(kernel(torch.ones(rows, 32)), F.linear(torch.ones(rows, 32), w))
+    finally:
+        torch.ops.mkldnn = mkldnn
+    assert calls == [1, 300]
+    assert cpu_linear.LinearKernel(w, None, (False,) * 3).packed is None
+
+
+def test_measuring_gives_one_answer_per_probe_and_everywhere_is_all_or_nothing():
+    w = torch.randn(128, 64)
+    per_probe = cpu_linear.measure(w, None)
+    assert len(per_probe) == len(cpu_linear.ROW_PROBES) and all(isinstance(v, bool) for v in per_probe)
+    everywhere = cpu_linear.measure(w, None, everywhere=True)
+    assert len(set(everywhere)) == 1
+    times = cpu_linear.timings(w, None)
+    assert cpu_linear.timings(w.clone(), None) is times and all(n > 0 and p > 0 for n, p in times)  # once per shape
+
+
+def _moe(e: int = 6) -> SparseMoe:
+    cfg = TextConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=24, intermediate_size=48, num_layers=1,
+                     num_heads=2, num_kv_heads=1, head_dim=12, num_experts=e, top_k=2, moe_intermediate_size=16,
+                     rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64, hidden_act="silu",
+                     tie_word_embeddings=False, attention_bias=False, qk_norm=True, norm_topk_prob=True,
+                     moe_layers=(True,), sliding_window=None)
+    moe = SparseMoe(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in (moe.gate.weight, moe.gate_up_proj, moe.down_proj):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return moe.eval().requires_grad_(False)
+
+
+def test_packed_experts_equal_the_grouped_path_and_keep_one_copy():
+    moe = _moe()
+    gu, down = moe.gate_up_proj.clone(), moe.down_proj.clone()
+    x = torch.randn(9, 24, generator=torch.Generator().manual_seed(2))
+    want = moe(x)
+    kernels = cpu_linear.pack_linears(moe, "packed")
+    assert kernels == {"layers": 1 + 2 * 6, "packed": 1 + 2 * 6}  # the router and each expert's two projections
+    assert moe.gate_up_proj.numel() == 0 and moe.down_proj.numel() == 0  # the plain experts are dropped
+    all_gu, all_down = moe.expert_weights()
+    assert torch.equal(all_gu, gu) and torch.equal(all_down, down)
+    torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(moe(x[:1]), want[:1], rtol=1e-5, atol=1e-5)  # a decode row: most experts idle
+    moe.release_experts()
+    assert moe._packed is None and moe.gate_up_proj.numel() == 0
+
+
+def test_native_mode_and_bad_modes():
+    layer = Linear(8, 4)
+    assert cpu_linear.pack_linears(layer, "native") == {"layers": 0, "packed": 0} and layer.kernel is None
+    with pytest.raises(ValueError, match="cpu_linear"):
+        cpu_linear.pack_linears(layer, "fast")
+    with pytest.raises(ValueError, match="cpu_linear"):
+        EngineConfig(cpu_linear="fast")
+    x = torch.randn(3, 8)
+    want = layer(x)
+    assert cpu_linear.pack_linears(layer, "packed") == {"layers": 1, "packed": 1}
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
