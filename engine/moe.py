@@ -90,6 +90,8 @@ class SparseMoe(nn.Module):
         self.expert_counts += counts
         if self.executor is not None:
             return self.executor(x, weights, experts)
+        if t == 1 and self._packed is not None:
+            return self._one_token(x, weights[0], experts[0].tolist())
         order = torch.argsort(flat, stable=True)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         token = order // self.top_k
@@ -102,6 +104,17 @@ class SparseMoe(nn.Module):
         y = y * weights.view(-1)[order].unsqueeze(1)
         return torch.zeros(t, h, dtype=y.dtype, device=y.device).index_add_(0, token, y).to(x.dtype)
 
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: list[int]) -> torch.Tensor:
+        """A batch of one token (decode of one sequence): its k experts in expert order, summed as the grouped path
+        sums them, without the sort, the gather and the scatter."""
+        acc = None
+        for j in sorted(range(len(experts)), key=experts.__getitem__):
+            gate_up, down = self._packed[experts[j]]
+            gate, up = gate_up(x).chunk(2, dim=-1)
+            y = down(self.act(gate) * up) * weights[j:j + 1]  # a [1] tensor: promotes as the grouped path's [S, 1]
+            acc = y if acc is None else acc + y
+        return acc.to(x.dtype)
 
     def _run_packed(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The experts over rows grouped by expert, each through its packed kernels; experts without rows cost
