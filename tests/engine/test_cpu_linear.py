@@ -50,7 +50,7 @@ def test_a_kernel_uses_each_row_range_as_measured():
             torch.testing.assert_close(kernel(torch.ones(rows, 32)), F.linear(torch.ones(rows, 32), w))
     finally:
         torch.ops.mkldnn = mkldnn
-    assert calls == [1, 300]
+    assert calls == [1, 320]  # 300 rows run padded (cpu_linear.padded_rows)
     assert cpu_linear.LinearKernel(w, None, (False,) * 3).packed is None
 
 
@@ -105,3 +105,12 @@ def test_native_mode_and_bad_modes():
     want = layer(x)
     assert cpu_linear.pack_linears(layer, "packed") == {"layers": 1, "packed": 1}
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_calls_run_at_a_bounded_set_of_row_counts():
+    """oneDNN builds a kernel per input shape: the rows a packed call runs at are padded to a bounded set, never
+    fewer than asked, so a prefill's varying lengths do not build kernels without end."""
+    shapes = {cpu_linear.padded_rows(r) for r in range(1, 4097)}
+    assert len(shapes) == 16 + 16 + 28
+    assert all(r <= cpu_linear.padded_rows(r) < r + 128 for r in range(1, 4097))
+    assert [cpu_linear.padded_rows(r) for r in (1, 16, 17, 33, 512, 513)] == [1, 16, 32, 64, 512, 640]
