@@ -40,10 +40,12 @@ class DecodeActor(WorkerActorBase):
                  num_threads: int = 1, cpus: list[int] | None = None, lease_base_s: float = DEFAULT_LEASE.base_s,
                  lease_min_rate_bps: float = DEFAULT_LEASE.min_rate_bps,
                  compression: dict | None = None, expert_parallel: dict | None = None,
-                 expert_tiers: dict | None = None, secret: ClusterSecret | None = None) -> None:
+                 expert_tiers: dict | None = None, secret: ClusterSecret | None = None,
+                 insecure: bool = False) -> None:
         self._init_common(worker_id, num_threads, cpus)
-        # secret: the cluster's data-plane key (None: data_plane_auth "off"), a constructor argument pickled by Ray
-        self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret, insecure=secret is None)
+        # secret: the cluster's data-plane key, a constructor argument pickled by Ray; without one a cross-process
+        # transport refuses to start (MissingSecret) unless insecure (data_plane_auth "off") says so
+        self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret, insecure=insecure)
         ep = None if expert_parallel is None else ExpertParallelConfig(**expert_parallel)
         self.worker = DecodeWorker(model_dir, EngineConfig(**engine_config), self.manager,
                                    lease=LeasePolicy(lease_base_s, lease_min_rate_bps), compression=compression,

@@ -24,13 +24,13 @@ class PrefillActor(WorkerActorBase):
 
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *, num_threads: int = 1,
                  cpus: list[int] | None = None, nice: int = 0, stream_layers: bool = True,
-                 compression: dict | None = None, secret: ClusterSecret | None = None,
+                 compression: dict | None = None, secret: ClusterSecret | None = None, insecure: bool = False,
                  kv_proxy: str | None = None) -> None:
         self._init_common(worker_id, num_threads, cpus, nice)
-        # secret: the cluster's data-plane key (None: data_plane_auth "off"), a constructor argument pickled by Ray;
-        # kv_proxy: the spec's (validated against the transport's dials_through_proxy)
+        # secret: the cluster's data-plane key, a constructor argument pickled by Ray; without one a cross-process
+        # transport refuses to start (MissingSecret) unless insecure (data_plane_auth "off") says so; kv_proxy: the spec's (validated against the transport's dials_through_proxy)
         via = {"proxy": kv_proxy} if kv_proxy else {}
-        self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret, insecure=secret is None, **via)
+        self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret, insecure=insecure, **via)
         self.worker = PrefillWorker(model_dir, EngineConfig(**engine_config), stream_layers=stream_layers,
                                     compression=compression)
         self.wake = threading.Event()

@@ -290,7 +290,8 @@ class WorkerPool:
 
         spec = self.spec
         common = {"num_threads": max(1, int(spec.cpus_per_worker)), "compression": spec.compression_policy(),
-                  "cpus": self._next_cpus() if spec.pin_cpus else None, "secret": self._secret}
+                  "cpus": self._next_cpus() if spec.pin_cpus else None, "secret": self._secret,
+                  "insecure": spec.data_plane_auth == "off"}
         if role == "prefill":
             extra = {"stream_layers": spec.stream_layers, "kv_proxy": spec.kv_proxy, **self.prefill_threads}
         else:
