@@ -44,15 +44,17 @@ class SparseMoe(nn.Module):
 
     def pack_linears(self, make) -> list:
         """CPU (:mod:`engine.cpu_linear`): when packed weights were measured faster over the row counts of both
-        expert shapes (``everywhere``), each expert runs through its own packed kernels and the [E, ...] tensors are dropped (one copy
-        of the experts, not two; :meth:`expert_weights` rebuilds them). Otherwise the experts stay as they are."""
+        expert shapes (``everywhere``), each expert runs through its own packed kernels and the [E, ...] tensors are
+        dropped (one copy of the experts, not two; :meth:`expert_weights` rebuilds them). Otherwise the experts stay
+        as they are."""
         if self.executor is not None or self.gate_up_proj.shape[0] == 0:
             return []
-        probe = make(self.gate_up_proj[0], None, everywhere=True), make(self.down_proj[0], None, everywhere=True)
-        if not all(k.weight is None for k in probe):
+        pairs = zip(self.gate_up_proj, self.down_proj)
+        first = tuple(make(w, None, everywhere=True) for w in next(pairs))  # expert 0 decides for all (one shape)
+        if not all(k.weight is None for k in first):
             return []
-        self._packed = [(make(gu, None, everywhere=True), make(down, None, everywhere=True))
-                        for gu, down in zip(self.gate_up_proj, self.down_proj)]
+        self._packed = [first] + [(make(gu, None, everywhere=True), make(down, None, everywhere=True))
+                                  for gu, down in pairs]
         self.release_experts(keep_packed=True)
         return [k for pair in self._packed for k in pair]
 
@@ -104,15 +106,18 @@ class SparseMoe(nn.Module):
         y = y * weights.view(-1)[order].unsqueeze(1)
         return torch.zeros(t, h, dtype=y.dtype, device=y.device).index_add_(0, token, y).to(x.dtype)
 
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` on rows ``x`` through its packed kernels."""
+        gate_up, down = self._packed[e]
+        gate, up = gate_up(x).chunk(2, dim=-1)
+        return down(self.act(gate) * up)
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: list[int]) -> torch.Tensor:
         """A batch of one token (decode of one sequence): its k experts in expert order, summed as the grouped path
         sums them, without the sort, the gather and the scatter."""
         acc = None
         for j in sorted(range(len(experts)), key=experts.__getitem__):
-            gate_up, down = self._packed[experts[j]]
-            gate, up = gate_up(x).chunk(2, dim=-1)
-            y = down(self.act(gate) * up) * weights[j:j + 1]  # a [1] tensor: promotes as the grouped path's [S, 1]
+            y = self._expert(experts[j], x) * weights[j:j + 1]  # a [1] tensor: promotes as the grouped path's [S, 1]
             acc = y if acc is None else acc + y
         return acc.to(x.dtype)
 
@@ -123,9 +128,7 @@ class SparseMoe(nn.Module):
         start = 0
         for e, end in enumerate(offsets.tolist()):
             if end > start:
-                gate_up, down = self._packed[e]
-                gate, up = gate_up(xs[start:end]).chunk(2, dim=-1)
-                out[start:end] = down(self.act(gate) * up)
+                out[start:end] = self._expert(e, xs[start:end])
             start = end
         return out
 

@@ -54,15 +54,19 @@ class Attention(nn.Module):
         projection as F.linear calls (:meth:`pack_linears` may swap in packed kernels)."""
         if self.qk_norm:
             self._qk_w = self.qk_norm_weight().contiguous()
-        nqk, w, b = (self.h + self.kvh) * self.d, self.qkv_proj.weight, self.qkv_proj.bias
-        self._qk_rows = (w[:nqk], None if b is None else b[:nqk])
-        self._v_rows = (w[nqk:], None if b is None else b[nqk:])
-        self._qk = functools.partial(F.linear, weight=self._qk_rows[0], bias=self._qk_rows[1])
-        self._v = functools.partial(F.linear, weight=self._v_rows[0], bias=self._v_rows[1])
+        qk, v = self._row_blocks()
+        self._qk = functools.partial(F.linear, weight=qk[0], bias=qk[1])
+        self._v = functools.partial(F.linear, weight=v[0], bias=v[1])
 
     def pack_linears(self, make) -> list:
-        self._qk, self._v = make(*self._qk_rows), make(*self._v_rows)
+        qk, v = self._row_blocks()
+        self._qk, self._v = make(*qk), make(*v)
         return [self._qk, self._v]
+
+    def _row_blocks(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """((weight, bias) of the q+k rows, of the v rows) of the fused projection (views, no copies)."""
+        nqk, w, b = (self.h + self.kvh) * self.d, self.qkv_proj.weight, self.qkv_proj.bias
+        return (w[:nqk], None if b is None else b[:nqk]), (w[nqk:], None if b is None else b[nqk:])
 
 
 class DecoderLayer(nn.Module):
