@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.control.bounded import bounded
 from cluster.control.errors import PrefillOverloadedError, RequestTimeoutError, TransferFailedError
 from cluster.control.router import (
     PrefillLoad,
@@ -115,7 +116,7 @@ class PrefillAdmission:
             waiter = _Waiter(loop.create_future(), n_prompt)
             self._room_waiters.append(waiter)
             try:
-                await asyncio.wait_for(waiter.woken, timeout=max(0.0, deadline - time.monotonic()))
+                await bounded(waiter.woken, timeout=max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 raise RequestTimeoutError(f"request {rid} waited {self._request_timeout_s:.0f} s for prefill "
                                           f"capacity") from None
@@ -183,7 +184,7 @@ class PrefillAdmission:
             async def call() -> bytes:
                 return await w.actor.report.remote()
 
-            apply(w, messages.unpack(await asyncio.wait_for(call(), timeout=timeout_s)))
+            apply(w, messages.unpack(await bounded(call(), timeout=timeout_s)))
 
         while True:
             await asyncio.sleep(PREFIX_REPORT_S)

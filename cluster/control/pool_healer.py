@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol
 
+from cluster.control.bounded import bounded
 from engine.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ class PoolHealer:
         async def call():
             return await w.actor.ping.remote()
 
-        await asyncio.wait_for(call(), timeout=self.policy.ping_timeout_s)
+        await bounded(call(), timeout=self.policy.ping_timeout_s)
 
     async def _heal(self, slot: str, role: str, dead: Any) -> None:
         try:
@@ -207,8 +208,8 @@ class PoolHealer:
                     await asyncio.sleep(v.at - self.clock())
                     continue
                 try:
-                    pairs = await asyncio.wait_for(self.hooks.replace_dead(slot, role, dead),
-                                                   timeout=self.policy.start_timeout_s)
+                    pairs = await bounded(self.hooks.replace_dead(slot, role, dead),
+                                          timeout=self.policy.start_timeout_s)
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # noqa: BLE001 - a replacement that cannot start is one more death

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
+from cluster.control.bounded import bounded
 from cluster.control.errors import RequestTimeoutError
 from cluster.control.worker import Worker, await_ref
 from node_common import messages
@@ -72,7 +73,7 @@ class DecodeStreams:
             if left <= 0:
                 raise RequestTimeoutError(f"request {rid} timed out")
             try:
-                return await asyncio.wait_for(queue.get(), timeout=min(left, CHECK_S))
+                return await bounded(queue.get(), timeout=min(left, CHECK_S))
             except asyncio.TimeoutError:
                 if (why := gone()) is not None:
                     return RequestFailed(rid, why)
@@ -82,7 +83,7 @@ class DecodeStreams:
         why)`` runs) or elsewhere (its requests fail)."""
         while w.alive:
             try:
-                reply = await asyncio.wait_for(await_ref(w.actor.poll.remote(self.poll_s)), timeout=POLL_TIMEOUT_S)
+                reply = await bounded(await_ref(w.actor.poll.remote(self.poll_s)), timeout=POLL_TIMEOUT_S)
                 msg = messages.unpack(reply)
                 events = [event_from_wire(ev) for ev in msg["events"]]
             except Exception as e:  # noqa: BLE001 - dead, silent, or a poll that raises: its requests must not wait

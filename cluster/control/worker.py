@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from cluster.control.bounded import bounded
 from cluster.control.router import PrefixIndex, WorkerLoad
 
 SPEED_EWMA = 0.2  # weight of the newest submit-to-first-token sample in a prefill worker's speed
@@ -162,11 +163,11 @@ class Assignment:
 
 
 async def await_ref(ref: Any) -> Any:
-    """A Ray ObjectRef as a coroutine (so ``asyncio.wait_for`` can bound it)."""
+    """A Ray ObjectRef as a coroutine (so :func:`~cluster.control.bounded.bounded` can bound it)."""
     return await ref
 
 
 async def call(method: Any, payload: bytes, deadline: float) -> bytes:
     """``method.remote(payload)``, bounded by ``deadline`` (``time.monotonic()``; at least 0.1 s)."""
     left = max(0.1, deadline - time.monotonic())
-    return await asyncio.wait_for(await_ref(method.remote(payload)), timeout=left)
+    return await bounded(await_ref(method.remote(payload)), timeout=left)

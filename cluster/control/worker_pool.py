@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from cluster.control import expert_groups
+from cluster.control.bounded import bounded
 from cluster.control.admission import pick_decode_worker
 from cluster.control.pool_healer import PoolHealer
 from cluster.control.router import WorkerLoad
@@ -154,12 +155,12 @@ class WorkerPool:
             await asyncio.sleep(0.05)
         w.mark_dead("drained")
         try:  # stops its loop and ends the poll in flight (the poller then sees the worker gone and returns)
-            await asyncio.wait_for(await_ref(w.actor.shutdown.remote()), timeout=10)
+            await bounded(await_ref(w.actor.shutdown.remote()), timeout=10)
         except Exception as e:  # noqa: BLE001 - already gone; the kill below makes sure
             logger.debug("shutdown of %s: %s", w.worker_id, e)
         poller = self._pollers.pop(w.worker_id, None)
         if poller is not None:  # let it return from that poll rather than see the actor die
-            await asyncio.wait_for(asyncio.wrap_future(poller), timeout=30)
+            await bounded(asyncio.wrap_future(poller), timeout=30)
         ray.kill(w.actor)
         self._pool(role).remove(w)
         self.total_blocks.pop(w.worker_id, None)
