@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from collections.abc import Sequence as Seq
 import logging
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, parse_device
 from engine.cpu_tuning import tune_malloc
-from engine.errors import InvalidRequestError, OutOfBlocksError
+from engine.errors import InvalidRequestError
 from engine.grammar import GrammarFactory
 from engine.hooks import EngineHooks
 from engine.inputs import InputProcessor, ProcessedPrompt, image_processor_for
@@ -26,25 +25,25 @@ from engine.kv_budget import KVMemory, plan_pool
 from engine.model import LlavaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from engine.receive import ReceiveMixin
 from engine.penalties import apply_penalties
 from engine.sampler import (
     LogitsProcessor,
     apply_logits_processors,
-    generator_at,
     prompt_token_logprobs,
     sample,
     suppress_stop_tokens,
 )
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 from engine.vision_stage import VisionStage
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(ReceiveMixin):
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, *,
                  hooks: EngineHooks | None = None) -> None:
         """``hooks``: what the owner plugs in (:class:`engine.hooks.EngineHooks`), handed to the runner and the block
@@ -303,88 +302,6 @@ class LLMEngine:
         text = self.tokenizer.decode(seq.output_token_ids) if done and self.tokenizer else ""
         return CompletionOutput(seq.choice, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
                                 seq.logits, seq.logprobs)
-
-    # ---------------------------------------------------------------------------- disaggregation: decode-side receive
-    def preallocate(self, request_id: str, prompt: Any, params: SamplingParams | None = None) -> list[int]:
-        """Reserve blocks for a prompt whose KV another worker computes; returns the block ids (in order).
-
-        The request waits in ``receiving`` (not scheduled) until :meth:`commit_prefilled` or
-        :meth:`release_prefill`. Raises OutOfBlocksError (nothing reserved) when the pool cannot hold the prompt now.
-        ``prompt`` may be a :class:`ProcessedPrompt` (see :meth:`add_request`), with or without pixels.
-        """
-        seq = self._new_sequence(request_id, prompt, params or SamplingParams())
-        # n > 1: room for each other choice's copy of the partial last block too, so the fork rarely runs short
-        extra = (seq.params.n - 1) * self.config.block_size if seq.num_tokens % self.config.block_size else 0
-        if not self.block_manager.can_allocate(seq, [], seq.num_tokens + extra):
-            raise OutOfBlocksError(f"{seq.num_tokens}-token prompt does not fit the free KV blocks now")
-        self.block_manager.append_slots(seq, seq.num_tokens)
-        seq.status = SequenceStatus.RECEIVING
-        self.requests[request_id] = seq
-        self.receiving[request_id] = seq
-        return list(seq.block_table)
-
-    def write_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
-                    dropped: torch.Tensor | None = None) -> None:
-        """Store one received layer of a receiving request's KV (``[num_blocks, block_size, kvh, d]`` each).
-        ``dropped``: prompt positions the sender left out of this layer; decoding gives them no attention."""
-        seq = self.receiving[request_id]
-        self.runner.write_layer(seq.block_table, layer, k, v)
-        if dropped is not None and dropped.numel():
-            if seq.kv_dropped is None:
-                seq.kv_dropped = {}
-            seq.kv_dropped[self.runner.kv_index[layer]] = dropped  # the decode mirror counts KV layers only
-
-    def write_state(self, request_id: str, layer: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Store one received GDN layer's state of a receiving request (hybrid models; ``layer`` is the decoder
-        layer, ``tensors`` as :meth:`ModelRunner.gather_state` gives them)."""
-        seq = self.receiving[request_id]
-        assert seq.state_slot is not None, "preallocate gave every receiving request of a hybrid model a state slot"
-        self.runner.write_state(seq.state_slot, layer, tensors)
-
-    def commit_prefilled(self, request_id: str, first_token: int, generator_state: torch.Tensor | None = None,
-                         *, lossy: bool = False, first_logprobs: TokenLogprobs | None = None,
-                         choices: Seq[tuple[int, TokenLogprobs | None, torch.Tensor | None]] = (),
-                         prompt_logprobs: list[TokenLogprobs | None] | None = None) -> list[RequestOutput]:
-        """All layers arrived and verified: the request joins the running batch with its first token (sampled by
-        the prefill worker, with its logprobs when asked). ``choices``: an ``n > 1`` request's other first tokens
-        ``(token, logprobs, generator state)`` for choices 1..n-1, forked here onto the prompt's blocks
-        (:meth:`_fork`). Returns one output per choice after its first token (finished if it already ended).
-        ``lossy``: the KV was compressed on the wire, so its blocks are not published to the prefix cache (a later
-        prompt must never reuse approximate KV as if it were exact)."""
-        seq = self.receiving.pop(request_id)
-        if len(choices) != seq.params.n - 1:
-            self.requests.pop(request_id, None)
-            self.block_manager.free(seq)
-            raise InvalidRequestError(f"request {request_id}: {len(choices) + 1} first tokens for n={seq.params.n}")
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.kv_lossy = lossy
-        seq.prompt_logprobs = prompt_logprobs
-        self.block_manager.register_computed(seq)
-        seeded = seq.params.seed is not None
-        seq.generator = generator_at(generator_state) if seeded else None
-        now = time.perf_counter()
-        self._append(seq, first_token, first_logprobs, None, now)
-        self.scheduler.add_prefilled(seq)
-        forked = self._fork(seq, [(t, lp, generator_at(g) if seeded else None) for t, lp, g in choices], None)
-        for q in [seq, *forked]:
-            if q.finish_reason is None:
-                self._check_stop(q, q.token_ids[-1])
-            if q.finish_reason is not None:
-                q.metrics.finished_time = now
-        if seq.group_finished:
-            self.requests.pop(request_id, None)
-        return [self.make_output(q) for q in [seq, *forked]]
-
-    def release_prefill(self, request_id: str) -> bool:
-        """Give back the blocks of a receiving request (transfer failed, expired or aborted)."""
-        seq = self.receiving.pop(request_id, None)
-        if seq is None:
-            return False
-        self.requests.pop(request_id, None)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
-        return True
 
     # ------------------------------------------------------------------------------------------------------- stats
     def moe_counts(self) -> torch.Tensor:
