@@ -70,6 +70,9 @@ class StepReport:
 
     outputs: list[RequestOutput] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    # request id -> reason: the request's own fault (engine.isolation; an error hand-off), which another pair would
+    # meet too -- reported as not retryable
+    errors: dict[str, str] = field(default_factory=dict)
     routing_hints: dict[str, list[list[int]]] = field(default_factory=dict)
     transfers: dict[str, dict] = field(default_factory=dict)  # kv_transfer stats of requests committed now
     events: list[DecodeEvent] = field(default_factory=list)
@@ -80,6 +83,7 @@ def step_events(report: StepReport, requests: dict[str, DecodeRequest]) -> list[
     per choice with news, advancing each request's :class:`Reported`. Only a request's last event says
     ``finished`` (a consumer stops reading there). Pure but for the records' ``reported``."""
     events: list[DecodeEvent] = [RequestFailed(rid, why) for rid, why in report.failed.items()]
+    events += [RequestFailed(rid, why, retryable=False) for rid, why in report.errors.items()]
     ended: set[str] = set()
     for out in report.outputs:
         rid = out.request_id

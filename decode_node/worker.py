@@ -202,6 +202,10 @@ class DecodeWorker:
                     logger.error("request %s: %s", rid, e)
                     self._fail_transfer(report, rid, f"{type(e).__name__}: {e}")
                     continue
+                if handoff.error is not None:  # its prefill step failed (engine.isolation): its own fault
+                    self._fail_transfer(report, rid, handoff.error)
+                    report.errors[rid] = report.failed.pop(rid)
+                    continue
                 try:
                     outs = self.engine.commit_prefilled(rid, handoff.first_token, handoff.generator(),
                                                         lossy=self.lossy, **_first_tokens(handoff))
@@ -260,10 +264,22 @@ class DecodeWorker:
             report = StepReport()
         if self.engine.has_unfinished_requests():
             t0 = time.perf_counter()
-            report.outputs.extend(self.engine.step())
+            self._take_outputs(report, self.engine.step())
             self.step_s += time.perf_counter() - t0
             self._fail_unrecomputable(report)
         return self._end_step(report)
+
+    def _take_outputs(self, report: StepReport, outputs: list) -> None:
+        """An engine step's outputs into ``report``; a request that failed in the step (its own fault:
+        :mod:`engine.isolation`; the engine freed it) becomes a not-retryable failure instead."""
+        for out in outputs:
+            if out.error is None:
+                report.outputs.append(out)
+                continue
+            self._forget(out.request_id)
+            report.errors[out.request_id] = out.error
+            if self.tiers is not None:
+                self.tiers.on_requests([], [out.request_id])
 
     def _end_step(self, report: StepReport) -> StepReport:
         done = [o.request_id for o in report.outputs if o.finished]
@@ -288,7 +304,7 @@ class DecodeWorker:
             plan = self.ep.begin_tick(has_work=self.engine.has_unfinished_requests(), stop=stop, running=running)
             if plan.any_work and not plan.stop:
                 if self.engine.has_unfinished_requests():
-                    report.outputs.extend(self.engine.step())
+                    self._take_outputs(report, self.engine.step())
                     self._fail_unrecomputable(report)
                 self.ep.end_tick()
         except Exception as e:  # any failure mid-tick desynchronises the group for good

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 KVExporter = Callable[[int, "list[Sequence]"], None]
 EvictHook = Callable[[bytes], None]
+FaultHook = Callable[[str, "Sequence"], None]
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class EngineHooks:
       each cached block it evicts to reuse for new KV, while blocks are allocated (scheduling in ``step``, or
       ``preallocate`` / forking on the decode side): a prefix cache's owner may tell others what it no longer holds
       (the prefill worker tells the front-end's router). None: nobody is told.
+    * ``request_fault(stage, seq)`` -- fault injection (tests, fault drills): called for each sequence at each
+      per-request stage of a step (:data:`engine.isolation.STAGES`: ``"logits"``, ``"sample"``, ``"append"``,
+      ``"output"``; a prefill worker's exporter adds ``"export"``); what it raises is that request's fault, which
+      ends that request only (:mod:`engine.isolation`). None (the default): never called.
     """
 
     kv_exporter: KVExporter | None = None
@@ -50,6 +55,7 @@ class EngineHooks:
     track_routing: bool = False
     query_window: int = 0
     on_evict: EvictHook | None = None
+    request_fault: FaultHook | None = None
 
     def __post_init__(self) -> None:
         if self.query_window < 0:

@@ -21,6 +21,7 @@ from engine.errors import InvalidRequestError
 from engine.grammar import GrammarFactory
 from engine.hooks import EngineHooks
 from engine.inputs import InputProcessor, ProcessedPrompt, image_processor_for
+from engine.isolation import describe, edit_rows, non_finite_rows
 from engine.kv_budget import KVMemory, plan_pool
 from engine.model import LlavaModel
 from engine.model_runner import ModelRunner
@@ -29,6 +30,7 @@ from engine.receive import ReceiveMixin
 from engine.penalties import apply_penalties
 from engine.sampler import (
     LogitsProcessor,
+    SampleResult,
     apply_logits_processors,
     prompt_token_logprobs,
     sample,
@@ -179,38 +181,91 @@ class LLMEngine(ReceiveMixin):
         for seq, start, chunk in self.runner.prompt_logits:
             self._note_prompt_logprobs(seq, start, chunk)
         seqs = [s.seq for s in sampling]
-        rows = [r for r, q in enumerate(seqs) if q.num_output_tokens < q.params.min_tokens]
+        faults: dict[int, BaseException] = {}  # row -> its request's fault (engine.isolation)
+        hook = self.hooks.request_fault
         with torch.inference_mode():  # the runner's logits are inference tensors: edit them in place only in here
-            suppress_stop_tokens(logits, rows, [self._stop_ids(seqs[r]) for r in rows])
-            apply_logits_processors(logits, [q.logits_processor for q in seqs])
-            apply_penalties(logits, seqs)
-            fan = [q.params.n if q.needs_choices else 1 for q in seqs]  # n > 1: every choice's first token
-            src = [r for r, k in enumerate(fan) for _ in range(k)]
-            res = sample(logits if len(src) == len(seqs) else logits[src], [seqs[r].params for r in src],
-                         [g or self._generator for r, k in enumerate(fan) for g in seqs[r].sample_generators(k)])
+            edit_rows(logits, seqs, self._edit_logits, list(range(len(seqs))) if hook else [
+                r for r, q in enumerate(seqs) if q.num_output_tokens < q.params.min_tokens
+                or q.logits_processor is not None or q.params.has_penalties], faults)
+            non_finite_rows(logits, faults)
+            fan = {r: q.params.n if q.needs_choices else 1 for r, q in enumerate(seqs) if r not in faults}
+            src = [r for r, k in fan.items() for _ in range(k)]  # n > 1: every choice's first token
+            res = sample(logits if src == list(range(len(seqs))) else logits[src], [seqs[r].params for r in src],
+                         [g or self._generator for r, k in fan.items() for g in seqs[r].sample_generators(k)],
+                         None if hook is None else lambda j: hook("sample", seqs[src[j]]))
+        for j, e in res.errors.items():
+            faults.setdefault(src[j], e)
         for s in sched.prefills + sched.decodes:
             s.seq.num_computed_tokens += s.num_tokens
             self.block_manager.register_computed(s.seq)
         now = time.perf_counter()
-        outputs, j = [], 0
-        for r, (seq, k) in enumerate(zip(seqs, fan, strict=True)):
-            row = logits[r].cpu() if seq.logits is not None else None
-            self._append(seq, res.tokens[j], res.logprobs[j], row, now)
-            choices = [(t, lp, g) for t, lp, g in zip(res.tokens[j + 1:j + k], res.logprobs[j + 1:j + k],
-                                                        seq.sample_generators(k)[1:], strict=True)]
-            j += k
-            if choices and not self.hooks.fork_choices:  # the owner hands them to the side that forks them
-                seq.pending_choices = choices
-            forked = self._fork(seq, choices, row) if choices and self.hooks.fork_choices else []
-            for q in [seq, *forked]:
-                if q.finish_reason is None:
-                    self._check_stop(q, q.token_ids[-1])
-                if q.finish_reason is not None:
-                    q.metrics.finished_time = now
-            if seq.group[0].group_finished:
-                self.requests.pop(seq.request_id, None)
-            outputs.extend(self.make_output(q) for q in [seq, *forked])
+        outputs, first = [], {}
+        for j, r in enumerate(src):
+            first.setdefault(r, j)
+        for r, seq in enumerate(seqs):
+            if r not in faults:
+                try:
+                    outputs.extend(self._advance(seq, res, first[r], fan[r], logits[r], now))
+                    continue
+                except Exception as e:  # noqa: BLE001 - this request's fault (engine.isolation)
+                    faults[r] = e
+            if (out := self._fail(seq, faults[r])) is not None:
+                outputs.append(out)
         return outputs
+
+    def _edit_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """In place on ``logits`` (row r is ``seqs[r]``'s): ``min_tokens``, logits processors, penalties."""
+        rows = [r for r, q in enumerate(seqs) if q.num_output_tokens < q.params.min_tokens]
+        suppress_stop_tokens(logits, rows, [self._stop_ids(seqs[r]) for r in rows])
+        if self.hooks.request_fault is not None:
+            for q in seqs:
+                self.hooks.request_fault("logits", q)
+        apply_logits_processors(logits, [q.logits_processor for q in seqs])
+        apply_penalties(logits, seqs)
+
+    def _advance(self, seq: Sequence, res: SampleResult, j: int, k: int, logits: torch.Tensor,
+                 now: float) -> list[RequestOutput]:
+        """``seq``'s sample ``j`` (and its ``k - 1`` other choices' first ones) -> appended, forked, stop-checked;
+        its outputs. Raises on this request's fault, before the request is forgotten."""
+        hook = self.hooks.request_fault
+        if hook is not None:
+            hook("append", seq)
+        row = logits.cpu() if seq.logits is not None else None
+        self._append(seq, res.tokens[j], res.logprobs[j], row, now)
+        choices = [(t, lp, g) for t, lp, g in zip(res.tokens[j + 1:j + k], res.logprobs[j + 1:j + k],
+                                                  seq.sample_generators(k)[1:], strict=True)]
+        if choices and not self.hooks.fork_choices:  # the owner hands them to the side that forks them
+            seq.pending_choices = choices
+        forked = self._fork(seq, choices, row) if choices and self.hooks.fork_choices else []
+        for q in [seq, *forked]:
+            if q.finish_reason is None:
+                self._check_stop(q, q.token_ids[-1])
+            if q.finish_reason is not None:
+                q.metrics.finished_time = now
+        if hook is not None:
+            hook("output", seq)
+        outs = [self.make_output(q) for q in [seq, *forked]]
+        if seq.group[0].group_finished:
+            self.requests.pop(seq.request_id, None)
+        return outs
+
+    def _fail(self, seq: Sequence, e: BaseException) -> RequestOutput | None:
+        """End ``seq``'s request after its fault ``e`` in this step: every choice ``"error"``, blocks freed. Its
+        output (finished, ``error`` set); None when it had ended already (an abort in the same step)."""
+        rid = seq.request_id
+        if self.requests.pop(rid, None) is None:
+            return None
+        logger.error("request %s failed in a step and was ended: %s", rid, describe(e), exc_info=e)
+        now = time.perf_counter()
+        for q in seq.group:
+            if q.finish_reason is None:
+                self._finish(q, "error")
+                q.metrics.finished_time = now
+            q.finish_reason = "error"
+        head = seq.group[0]
+        outs = [CompletionOutput(q.choice, "", list(q.output_token_ids), "error") for q in seq.group]
+        return RequestOutput(rid, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], outs, True, head.metrics,
+                             head.num_cached_tokens, error=describe(e))
 
     @staticmethod
     def _note_prompt_logprobs(seq: Sequence, start: int, chunk: torch.Tensor) -> None:

@@ -47,7 +47,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (RequestOutput.error) | None while running
     stop_reason: int | None = None
     logits: list[torch.Tensor] | None = None
     # one per token of token_ids, when SamplingParams.logprobs is set; the sequence's own list while it runs (it may
@@ -69,6 +69,8 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first), when asked
+    # set when the request failed in a step (engine.isolation): every choice then has finish_reason "error"
+    error: str | None = None
 
     def tpot_s(self) -> float | None:
         m, n = self.metrics, len(self.outputs[0].token_ids)

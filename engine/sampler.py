@@ -20,7 +20,8 @@ vector ops over the vocabulary, O(batch) Python per step.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -46,6 +47,7 @@ class LogitsProcessor(Protocol):
 class SampleResult:
     tokens: list[int]
     logprobs: list[TokenLogprobs | None]  # per row: set where the row's params ask for logprobs
+    errors: dict[int, BaseException] = field(default_factory=dict)  # row -> what its check or sampling raised
 
 
 def generator_at(state: torch.Tensor | None) -> torch.Generator:
@@ -139,19 +141,27 @@ def prompt_token_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> 
     return [TokenLogprobs(t, x, top) for t, x, top in zip(next_ids, chosen, tops, strict=True)]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-           ) -> SampleResult:
-    """logits [S, V] float32 -> one token id per row (and its logprobs where asked)."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           check: Callable[[int], None] | None = None) -> SampleResult:
+    """logits [S, V] float32 -> one token id per row (and its logprobs where asked). Rows are sampled one by one: a
+    row whose ``check(row)`` (run first, when given) or sampling raises gets token -1 and its exception in
+    ``errors``; the other rows are unaffected (:mod:`engine.isolation`)."""
     out = torch.argmax(logits, dim=-1).tolist()
     lps: list[TokenLogprobs | None] = [None] * len(out)
+    errors: dict[int, BaseException] = {}
     for r, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
+        try:
+            if check is not None:
+                check(r)
+            if p.greedy:
+                if p.logprobs is not None:
+                    lps[r] = token_logprobs(logits[r], out[r], p.logprobs)
+                continue
+            row = processed_logits(logits[r], p)
+            probs = torch.softmax(row, dim=-1)
+            out[r] = int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
             if p.logprobs is not None:
-                lps[r] = token_logprobs(logits[r], out[r], p.logprobs)
-            continue
-        row = processed_logits(logits[r], p)
-        probs = torch.softmax(row, dim=-1)
-        out[r] = int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
-        if p.logprobs is not None:
-            lps[r] = token_logprobs(row, out[r], p.logprobs)
-    return SampleResult(out, lps)
+                lps[r] = token_logprobs(row, out[r], p.logprobs)
+        except Exception as e:  # noqa: BLE001 - this row's fault only
+            out[r], errors[r] = -1, e
+    return SampleResult(out, lps, errors)

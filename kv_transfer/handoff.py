@@ -18,10 +18,14 @@ commits the request. Fields:
 * ``choices``: an ``n > 1`` request's other first tokens, one map per choice 1..n-1: ``{"token", "generator_state"
   (optional), "logprobs" (optional)}``; the decode side forks them onto the prompt's blocks;
 * ``stages``: where the prefill worker's time went, seconds on its own clock (the request's TTFT breakdown):
-  ``{"prefill_queue_s", "vision_encode_s", "prefill_compute_s"}`` (names this layer passes on without reading).
+  ``{"prefill_queue_s", "vision_encode_s", "prefill_compute_s"}`` (names this layer passes on without reading);
+* ``error``: set when the request failed on the prefill worker after its KV was computed and sent whole (its
+  sampling, its grammar: one request's fault in a step); one line naming it. The decode side then frees the
+  request's blocks and fails it as not retryable, and ``first_token`` means nothing.
 
 Versions (``"v"``): 1 had no version field and no ``mrope_delta`` (parsed as delta 0, which an image prompt of an
-M-RoPE model then fails against); 2 adds both; 3 adds ``first_logprobs``, ``prompt_logprobs`` and ``choices`` (absent in 1 and 2); 4 adds ``stages`` (optional). Any
+M-RoPE model then fails against); 2 adds both; 3 adds ``first_logprobs``, ``prompt_logprobs`` and ``choices`` (absent in 1 and 2); 4 adds ``stages`` (optional); 5 adds ``error``
+(optional; a version-4 receiver refuses it rather than decode from a failed prefill). Any
 other version is a :class:`~kv_transfer.base.ProtocolError`.
 """
 
@@ -35,7 +39,7 @@ import torch
 
 from kv_transfer.errors import ProtocolError
 
-HANDOFF_VERSION = 4
+HANDOFF_VERSION = 5
 LEGACY_VERSION = 1  # a meta map without "v"
 
 
@@ -54,6 +58,7 @@ class Handoff:
     prompt_logprobs: list | None = None
     choices: list[dict[str, Any]] = field(default_factory=list)
     stages: dict[str, float] | None = None
+    error: str | None = None
     version: int = HANDOFF_VERSION  # of the message it was parsed from
 
     def to_meta(self) -> dict[str, Any]:
@@ -74,6 +79,8 @@ class Handoff:
             meta["choices"] = self.choices
         if self.stages is not None:
             meta["stages"] = {str(k): float(v) for k, v in self.stages.items()}
+        if self.error is not None:
+            meta["error"] = str(self.error)
         return meta
 
     @classmethod
@@ -109,10 +116,14 @@ class Handoff:
                     isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
                     for k, v in stages.items())):
                 raise TypeError("stages must be a map of names to seconds")
+            error = meta.get("error")
+            if error is not None and not isinstance(error, str):
+                raise TypeError("error must be a string")
             return cls(first_token=int(meta["first_token"]), mrope_delta=delta, expert_hist=meta.get("expert_hist"),
                        generator_state=state, compute_done_s=meta.get("compute_done_s"), first_logprobs=first_lp,
                        prompt_logprobs=prompt_lp, choices=choices,
-                       stages=None if stages is None else {k: float(v) for k, v in stages.items()}, version=version)
+                       stages=None if stages is None else {k: float(v) for k, v in stages.items()}, error=error,
+                       version=version)
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"malformed hand-off: {e!r}") from e
 

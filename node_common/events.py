@@ -10,7 +10,9 @@ holding every event produced since the last poll, for all its requests. Two kind
   one entry per prompt token (None for the first); ``expert_hist`` (prefill's routing histogram) and
   ``kv_transfer`` (the hand-off's figures) on choice 0's first event.
 * :class:`RequestFailed` -- the request failed on the worker (its transfer, its step); the worker holds nothing of it
-  any more. The front-end turns it into a typed exception (a retry on another pair, or the client's error).
+  any more. The front-end turns it into a typed exception: a retry on another pair, or -- ``retryable`` false: the
+  request's own fault in a step (:mod:`engine.isolation`), which another pair would meet too -- the client's
+  :class:`~engine.isolation.RequestFailedError`.
 
 Every wire map carries ``"v": EVENT_VERSION``; :func:`event_from_wire` raises :class:`EventError` for another version,
 an unknown kind or a malformed map, so a consumer never reads a field by guesswork.
@@ -61,12 +63,14 @@ class TokenEvent:
 class RequestFailed:
     request_id: str
     reason: str  # one line for logs and the client's message
+    retryable: bool = True  # False: the request's own fault (absent on the wire: True)
     extra: dict = field(default_factory=dict)  # reserved for additive fields of later versions
 
     kind = "failed"
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": EVENT_VERSION, "kind": self.kind, "request_id": self.request_id, "reason": self.reason}
+        return {"v": EVENT_VERSION, "kind": self.kind, "request_id": self.request_id, "reason": self.reason,
+                "retryable": self.retryable}
 
 
 DecodeEvent = TokenEvent | RequestFailed
@@ -85,7 +89,10 @@ def event_from_wire(d: Any) -> DecodeEvent:
                               logprobs=d.get("logprobs"), prompt_logprobs=d.get("prompt_logprobs"),
                               expert_hist=d.get("expert_hist"), kv_transfer=d.get("kv_transfer"))
         if d["kind"] == RequestFailed.kind:
-            return RequestFailed(request_id=str(d["request_id"]), reason=str(d["reason"]))
+            retryable = d.get("retryable", True)
+            if not isinstance(retryable, bool):
+                raise TypeError(f"retryable must be a bool, got {retryable!r}")
+            return RequestFailed(request_id=str(d["request_id"]), reason=str(d["reason"]), retryable=retryable)
     except (KeyError, TypeError, ValueError) as e:
         raise EventError(f"malformed decode event: {e!r}") from None
     raise EventError(f"unknown decode event kind {d.get('kind')!r}")

@@ -6,11 +6,13 @@ Subclasses set ``role``, build ``self.worker`` (with ``has_work()`` and ``engine
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
 import torch
 
+from engine.isolation import STAGES
 from node_common import messages
 from node_common.turn_lock import TurnLock
 
@@ -46,6 +48,21 @@ class WorkerActorBase:
         """Forget the engine's cached image encodings (for benchmarks that replay the same images)."""
         with self.lock:
             return self.worker.engine.clear_vision_cache()
+
+    def inject_request_fault(self, stage: str, seed: int) -> None:
+        """Tests and fault drills only: from now on a request whose ``SamplingParams.seed`` is ``seed`` raises at
+        ``stage`` (:data:`engine.isolation.STAGES`) of this worker's steps: that request's own fault, which ends it
+        alone. A negative ``seed`` removes the fault."""
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; one of {STAGES}")
+
+        def fault(where: str, seq) -> None:
+            if where == stage and seq.params.seed == seed:
+                raise RuntimeError(f"fault injected at {stage}")
+
+        with self.lock:
+            e = self.worker.engine
+            e.hooks = dataclasses.replace(e.hooks, request_fault=None if seed < 0 else fault)
 
     def check_no_leaks(self) -> bytes:
         """``{"idle", "held"}`` (KV blocks and state slots still held): when idle, asserts every KV block is free or

@@ -30,6 +30,7 @@ class PrefillRequest:
     compute_done_s: float | None = None  # wall time the last layer's KV was computed
     compute_done_pc: float | None = None  # the same moment on the engine's clock (time.perf_counter: stages)
     visual: torch.Tensor | None = None  # [num_prompt_tokens] bool, image-token positions; see visual_mask
+    export_error: str | None = None  # its KV export raised (engine.isolation.describe): it is dropped after the step
 
     def visual_mask(self, device: torch.device) -> torch.Tensor:
         """The prompt positions that are image tokens (the codec's mask): built on first use, once per request

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from engine import EngineConfig, EngineHooks, LLMEngine, SamplingParams
+from engine.isolation import describe
 from engine.kv_importance import kv_importance
 from engine.sequence import Sequence
 from kv_transfer import KVPoll, KVSender
@@ -107,19 +108,27 @@ class PrefillWorker:
         done = []
         for out in self.engine.step():
             rid = out.request_id
-            req = self.requests.pop(rid, None)
-            if req is None:
+            req = self.requests.get(rid)
+            if req is None or req.export_error is not None:
                 continue
+            del self.requests[rid]
             for send in req.held:
                 send()
             computed = time.time() if req.compute_done_s is None else req.compute_done_s
-            handoff = self._handoff(out.outputs[0].token_ids[0], req.seq, computed)
+            if out.error is not None:  # its step failed after the forward: the KV is whole, the hand-off says why
+                handoff = Handoff(0, compute_done_s=computed, error=out.error)
+            else:
+                handoff = self._handoff(out.outputs[0].token_ids[0], req.seq, computed)
+                self._note_prefix(req.seq)
             req.sender.finish(dataclasses.replace(handoff, stages=req.stages()).to_meta())
             self._handed_off[rid] = req.sender  # until the decode side confirmed it (_sweep_handed_off)
-            self._note_prefix(req.seq)
             if not out.finished:
                 self.engine.abort_request(rid)
             done.append(rid)
+        for rid, req in list(self.requests.items()):
+            if req.export_error is not None:  # KV cannot be delivered whole: another pair may do better
+                self.abort(rid, "KV export failed")
+                self._dropped.append((rid, f"KV export failed: {req.export_error}"))
         return done
 
     def _sweep_handed_off(self) -> None:
@@ -153,24 +162,33 @@ class PrefillWorker:
         last = layer == self.engine.model_config.text.num_layers - 1
         if self.faults.layer_delay_s:
             time.sleep(self.faults.layer_delay_s)
-        runner = self.engine.runner
         for seq in seqs:
             req = self.requests.get(seq.request_id)
-            if req is None:
+            if req is None or req.export_error is not None:
                 continue
-            if layer in runner.state_index:  # a GDN layer: its final state is one state frame, always raw
-                send = functools.partial(req.sender.send_state, runner.state_index[layer],
-                                         runner.gather_state(seq, layer))
-            else:
-                k, v = runner.gather_layer(seq, layer)
-                ctx = None if self.compression is None else self._codec_context(seq, k, v)
-                send = functools.partial(req.sender.send_layer, runner.kv_index[layer], k, v, ctx)
-            if last:
-                req.compute_done_s, req.compute_done_pc = time.time(), time.perf_counter()
-            if self.stream_layers:
-                send()
-            else:
-                req.held.append(send)
+            try:
+                self._export_one(layer, seq, req, last)
+            except Exception as e:  # noqa: BLE001 - this request's KV only: the step goes on for the others
+                logger.error("request %s: KV export of layer %d failed: %s", seq.request_id, layer, describe(e),
+                             exc_info=e)
+                req.export_error = describe(e)
+
+    def _export_one(self, layer: int, seq: Sequence, req: PrefillRequest, last: bool) -> None:
+        if self.engine.hooks.request_fault is not None:
+            self.engine.hooks.request_fault("export", seq)
+        runner = self.engine.runner
+        if layer in runner.state_index:  # a GDN layer: its final state is one state frame, always raw
+            send = functools.partial(req.sender.send_state, runner.state_index[layer], runner.gather_state(seq, layer))
+        else:
+            k, v = runner.gather_layer(seq, layer)
+            ctx = None if self.compression is None else self._codec_context(seq, k, v)
+            send = functools.partial(req.sender.send_layer, runner.kv_index[layer], k, v, ctx)
+        if last:
+            req.compute_done_s, req.compute_done_pc = time.time(), time.perf_counter()
+        if self.stream_layers:
+            send()
+        else:
+            req.held.append(send)
 
     def _codec_context(self, seq: Sequence, k: torch.Tensor, v: torch.Tensor) -> CodecContext:
         """What the codec needs to know about this layer of ``seq``'s prompt: which tokens are visual and, when the

@@ -41,6 +41,7 @@ from engine import SamplingParams
 from engine.config import ModelConfig
 from engine.errors import DuetError, is_retryable
 from engine.inputs import InputProcessor, image_processor_for
+from engine.isolation import RequestFailedError
 from engine.tokenizer import Tokenizer
 from kv_transfer import ClusterSecret
 from node_common import messages, prompt_wire
@@ -314,6 +315,8 @@ class DisaggCluster:
                         ev = await self.streams.next(inbox, rid, deadline, gone=lambda: a.prefill_gone())
                         if isinstance(ev, RequestFailed):  # decode dropped it, or its prefill worker died first
                             a.abort(rid)
+                            if not ev.retryable:  # its own fault in a worker step: another pair would meet it too
+                                raise RequestFailedError(f"request {rid} failed: {ev.reason}")
                             raise AttemptFailed(ev.reason, **pair)
                         if ev.token_ids:
                             if placement is not None:  # the first: what its prefill cost, stage by stage

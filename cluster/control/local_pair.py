@@ -70,8 +70,8 @@ class LocalPair:
                 raise PairTimeout(f"{len(prompts)} requests did not finish in {timeout_s} s")
             self.prefill.step()
             report = self.decode.step()
-            failed.update(report.failed)
-            in_prefill.difference_update(report.failed)
+            failed.update({**report.failed, **report.errors})
+            in_prefill.difference_update(failed)
             for out in report.outputs:
                 in_prefill.discard(out.request_id)
                 if out.finished:

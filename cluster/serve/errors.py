@@ -17,6 +17,7 @@ from cluster.control.errors import (
 )
 from cluster.serve.limits import Overloaded
 from engine.errors import DuetError, InvalidRequestError, OutOfBlocksError, RequestAbortedError, is_retryable
+from engine.isolation import RequestFailedError
 
 
 class ModelNotFoundError(InvalidRequestError):
@@ -69,6 +70,8 @@ def classify(e: BaseException) -> ErrorInfo:
                          "unavailable", msg)
     if isinstance(e, RequestTimeoutError):
         return ErrorInfo(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout", None, "timeout", msg)
+    if isinstance(e, RequestFailedError):  # its own fault in a worker step; the rest of the batch went on
+        return ErrorInfo(grpc.StatusCode.INTERNAL, 500, "server_error", RequestFailedError.code, "error", msg)
     if isinstance(e, DuetError) and is_retryable(e):  # another pair could not serve it either: the pool is healing
         return ErrorInfo(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", None, "unavailable", msg)
     return ErrorInfo(grpc.StatusCode.INTERNAL, 500, "server_error", None, "error", f"internal error: {msg}")

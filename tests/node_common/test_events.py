@@ -30,7 +30,16 @@ def test_token_wire_keys():
                                                        "choice_finished", "finish_reason"}
     assert set(FULL.to_wire()) >= {"logprobs", "prompt_logprobs", "expert_hist", "kv_transfer"}
     assert RequestFailed("r", "why").to_wire() == {"v": EVENT_VERSION, "kind": "failed", "request_id": "r",
-                                                   "reason": "why"}
+                                                   "reason": "why", "retryable": True}
+
+
+def test_failed_retryable_round_trips_and_defaults_to_true():
+    for retryable in (True, False):
+        assert event_from_wire(RequestFailed("r", "why", retryable=retryable).to_wire()).retryable is retryable
+    older = {"v": EVENT_VERSION, "kind": "failed", "request_id": "r", "reason": "why"}  # a sender without the field
+    assert event_from_wire(older).retryable is True
+    with pytest.raises(EventError):
+        event_from_wire({**older, "retryable": "no"})
 
 
 @pytest.mark.parametrize("version", [None, 0, EVENT_VERSION + 1, "1"])

@@ -61,3 +61,15 @@ def serve_cluster(ray_cluster):
     cluster = DisaggCluster(spec)
     yield cluster
     cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(serve_cluster):
+    """A front-end with the default config (gRPC and HTTP on free loopback ports) on ``serve_cluster``, for one test
+    module (a module that needs another config defines its own ``server``)."""
+    from cluster.serve import ServeConfig, ServerThread
+
+    t = ServerThread(serve_cluster, ServeConfig(grpc_port=0, http_port=0))
+    srv = t.start()
+    yield srv
+    t.stop()

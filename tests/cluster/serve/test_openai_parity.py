@@ -14,20 +14,11 @@ import pytest
 import torch
 
 from cluster.demo import default_model_dir
-from cluster.serve import ServeConfig, ServerThread
 from engine import LLM, SamplingParams
 from tests.cluster.serve.conftest import requests_counted, wait_idle
 
 PROMPT = [5, 17, 42, 9, 33, 2, 71, 8, 19]  # token ids: /v1/completions takes them as they are
 LOGPROB_TOL = 1e-4  # served (prefill + decode workers) vs a local engine: the same ops in other processes
-
-
-@pytest.fixture(scope="module")
-def server(serve_cluster):
-    t = ServerThread(serve_cluster, ServeConfig(grpc_port=0, http_port=0))
-    srv = t.start()
-    yield srv
-    t.stop()
 
 
 @pytest.fixture(scope="module")
