@@ -116,6 +116,14 @@ class Lease:
         return self.start_by_s if started_at is None else started_at + self.transfer_s
 
     @property
+    def max_payload_bytes(self) -> int:
+        """The largest frame payload a transfer under this lease can carry: one layer's K and V for all its blocks,
+        or one state frame, uncompressed, twice over (codec headroom) plus 1 MiB. A receiver allocates no more for
+        a frame's payload before it has read and checked the frame."""
+        state = 0 if self.state is None else self.state.frame_nbytes
+        return 2 * max(self.layout.layer_nbytes(self.num_blocks), state) + (1 << 20)
+
+    @property
     def latest_s(self) -> float:
         """The latest the transfer can end under this lease (bounds a transport's call)."""
         return self.deadline_s if self.start_by_s is None else self.start_by_s + self.transfer_s

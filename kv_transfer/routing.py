@@ -43,6 +43,7 @@ class Dispatcher:
         self.auth = auth or DataPlaneAuth(None)
         self._lock = threading.Lock()
         self._tables: dict[str, dict[str, Transfer]] = {frames.TO_SENDER: {}, frames.TO_RECEIVER: {}}
+        self._largest_payload = 0  # the most any lease expected here so far allows one frame (max_payload_bytes)
 
     def add(self, t: LinkSender | LinkReceiver) -> None:
         table = self._tables[frames.TO_SENDER if isinstance(t, BaseSender) else frames.TO_RECEIVER]
@@ -50,6 +51,16 @@ class Dispatcher:
             if t.request_id in table:
                 raise ValueError(f"a live transfer for request {t.request_id!r} already exists here")
             table[t.request_id] = t
+            if not isinstance(t, BaseSender):
+                self._largest_payload = max(self._largest_payload, t.lease.max_payload_bytes)
+
+    @property
+    def max_payload_bytes(self) -> int:
+        """The largest payload a frame arriving here may announce: the largest :attr:`Lease.max_payload_bytes` of
+        any receiver registered so far (never lowered: frames of an aborted transfer may still be on the wire). 0 on
+        a side that has expected nothing (a prefill worker receives no payloads). A link that reads a larger size
+        from its peer stops before allocating it."""
+        return self._largest_payload
 
     def remove(self, t: Transfer) -> None:
         table = self._tables[frames.TO_SENDER if isinstance(t, BaseSender) else frames.TO_RECEIVER]

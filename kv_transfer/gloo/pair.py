@@ -63,6 +63,9 @@ class Pair(Link):
                 header_len, payload_len = pre.tolist()
                 if not (0 < header_len <= MAX_HEADER_BYTES and 0 <= payload_len <= MAX_PAYLOAD_BYTES):
                     raise PeerUnavailable(f"pair {self.name}: garbled preamble {pre.tolist()}")
+                if payload_len > self.dispatcher.max_payload_bytes:  # before allocating it, whoever the peer is
+                    raise PeerUnavailable(f"pair {self.name}: a frame announces {payload_len} payload bytes; no lease "
+                                          f"issued here allows more than {self.dispatcher.max_payload_bytes}")
                 header = self._recv(self._ctl, torch.empty(header_len, dtype=torch.uint8)).numpy().tobytes()
                 payload = None
                 if payload_len:

@@ -7,6 +7,7 @@ import threading
 import time
 
 import msgpack
+import torch
 
 from kv_transfer import KVPoll
 from kv_transfer.gloo import rendezvous
@@ -93,6 +94,35 @@ def test_junk_in_the_join_queue_is_dropped_or_refused_at_once() -> None:
         assert transfer(decode, prefill, "behind-junk") is KVPoll.SUCCESS
         assert decode.refused() == {"Unauthenticated": 2} and decode.num_pairs() == 1
         assert store.check(["duet/join/7/verdict", "duet/join/8/verdict"])  # refusals a joiner would read
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_an_oversized_frame_ends_the_pair_before_anything_is_allocated() -> None:
+    """The prefill side (an authenticated peer: the pair formed) announces a 256 MiB payload, far beyond what any lease
+    the decode side issued allows: the decode side's pair stops at the preamble (it used to allocate the size and
+    wait for it) and its transfer fails at once."""
+    decode, prefill = make_manager("gloo"), make_manager("gloo")
+    try:
+        assert transfer(decode, prefill, "a") is KVPoll.SUCCESS
+        pair = next(iter(prefill._out.values()))
+        transmit = pair._transmit
+
+        def forge(header: bytes, payload) -> None:
+            transmit(header, payload)
+            if msgpack.unpackb(header, raw=False).get("kind") == "layer":
+                pair._send(pair._ctl, torch.tensor([len(header), 256 << 20], dtype=torch.int64))
+                pair._send(pair._ctl, torch.frombuffer(bytearray(header), dtype=torch.uint8))
+
+        pair._transmit = forge
+        lease = decode.lease("b", num_blocks=2, layout=make_layout(), deadline_s=time.time() + 20)
+        assert lease.max_payload_bytes < 2 << 20
+        receiver = decode.expect(lease, Collector())
+        sender = prefill.sender(lease)
+        sender.send_layer(0, *make_kv(lease.layout, 2, seed=3, layer=0))
+        assert receiver.wait(5) is KVPoll.FAILED and "no lease issued here allows" in str(receiver.failure_exception())
+        assert wait_until(lambda: decode.num_pairs() == 0)
     finally:
         prefill.close()
         decode.close()
