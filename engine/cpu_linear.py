@@ -43,7 +43,7 @@ def available() -> bool:
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _bucket(rows: int) -> int:
+def bucket(rows: int) -> int:
     """The probe a row count is judged by: the nearest of :data:`ROW_PROBES` on a log scale."""
     if rows <= 4:
         return 0
@@ -66,7 +66,7 @@ class LinearKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if self.weight is not None and (self.packed is None or not rows or not self.packed_for[_bucket(rows)]
+        if self.weight is not None and (self.packed is None or not rows or not self.packed_for[bucket(rows)]
                                         or x.dtype != self.dtype):
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, x.shape[-1])
@@ -89,7 +89,7 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _time(fn: Callable[[], object]) -> float:
+def median_seconds(fn: Callable[[], object]) -> float:
     """Median seconds of one call (after a warm-up call), repetitions cut to the probe budget."""
     t0 = time.perf_counter()
     fn()
@@ -117,8 +117,8 @@ def timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[floa
         row = []
         for rows in ROW_PROBES:
             x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
-            native = _time(lambda: F.linear(x, copies[next(turn) % len(copies)], bias))
-            row.append((native, _time(lambda: torch.ops.mkldnn._linear_pointwise(
+            native = median_seconds(lambda: F.linear(x, copies[next(turn) % len(copies)], bias))
+            row.append((native, median_seconds(lambda: torch.ops.mkldnn._linear_pointwise(
                 x, packed[next(turn) % len(packed)], bias, "none", [], ""))))
         _timings[key] = tuple(row)
     return _timings[key]
@@ -146,13 +146,18 @@ def make_kernel(mode: str) -> Callable[[torch.Tensor, torch.Tensor | None], Line
     if mode == "native" or not available():
         return None
 
-    def make(weight: torch.Tensor, bias: torch.Tensor | None, *, everywhere: bool = False) -> LinearKernel:
-        """``everywhere``: the packed kernel for every row count or for none (the caller then frees the weight)."""
+    def make(weight: torch.Tensor, bias: torch.Tensor | None, *, everywhere: bool = False,
+             always: bool = False) -> LinearKernel:
+        """``everywhere``: the packed kernel for every row count or for none (the caller then frees the weight).
+        ``always``: packed for every row count, unmeasured (a caller that measures its own alternatives: the MoE
+        experts). Off CPU, or for a dtype without packed kernels, never packed."""
         if weight.device.type != "cpu" or weight.dtype not in _DTYPES or weight.dim() != 2:
             return LinearKernel(weight, bias, (False,) * len(ROW_PROBES))
-        chosen = (True,) * len(ROW_PROBES) if mode == "packed" else measure(weight, bias, everywhere=everywhere)
+        packed_all = always or mode == "packed"
+        chosen = (True,) * len(ROW_PROBES) if packed_all else measure(weight, bias, everywhere=everywhere)
         return LinearKernel(weight, bias, chosen)
 
+    make.mode = mode  # type: ignore[attr-defined]  # "packed": callers that measure skip it (tests force the path)
     return make
 
 

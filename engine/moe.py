@@ -8,6 +8,12 @@ down over the experts that received tokens. ``expert_counts`` accumulates how ma
 ``executor``, when set, takes over execution after routing: ``executor(x [T, H], weights [T, k], experts [T, k])
 -> [T, H]`` in x's dtype. The expert-parallel decode group (:mod:`decode_node.expert_parallel`) plugs in there to
 run the experts on the workers that hold them; the module's own expert tensors are then unused.
+
+On CPU (:mod:`engine.cpu_linear`) the experts may also run one by one through oneDNN kernels with packed weights.
+Which path is faster depends on the step's size: measured on one host (AMD EPYC, 2 threads, float32, 16 experts
+top-2, 512 x 256), the packed path won a decode step and the grouped GEMM a 256-token prefill chunk by about 2x. So
+both are timed at load, per step size, on the layer's own shapes with random routing
+(:meth:`SparseMoe.pack_linears`), and each step takes the faster one for its token count.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cpu_linear import ROW_PROBES, bucket, median_seconds
 from engine.layers import ACTIVATIONS, Linear
 from engine.text_config import TextConfig
 
@@ -41,26 +48,51 @@ class SparseMoe(nn.Module):
         self.last_experts: torch.Tensor | None = None  # [T, k] of the last forward, when record_routing is set
         self.executor: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._packed: list[tuple[Callable, Callable]] | None = None  # per expert (gate_up, down): pack_linears
+        self._packed_for: tuple[bool, ...] = ()  # per ROW_PROBES step size: the packed path runs it (pack_linears)
 
     def pack_linears(self, make) -> list:
-        """CPU (:mod:`engine.cpu_linear`): when packed weights were measured faster over the row counts of both
-        expert shapes (``everywhere``), each expert runs through its own packed kernels and the [E, ...] tensors are
-        dropped (one copy of the experts, not two; :meth:`expert_weights` rebuilds them). Otherwise the experts stay
-        as they are."""
+        """CPU (:mod:`engine.cpu_linear`): give each expert packed kernels, then time the two paths -- the grouped
+        GEMM over the [E, ...] tensors, the experts one by one through their packed kernels -- at each step size of
+        ``ROW_PROBES`` tokens (once per shape, dtype and thread count in a process). The packed path faster by 5%
+        at every size: the [E, ...] tensors are dropped (one copy of the experts; :meth:`expert_weights` rebuilds
+        them); at none: the packed copies are; in between both are kept (the experts twice in memory) and each step
+        runs the path measured faster for its token count. Mode ``"packed"``: the packed path always."""
         if self.executor is not None or self.gate_up_proj.shape[0] == 0:
             return []
-        pairs = zip(self.gate_up_proj, self.down_proj)
-        first = tuple(make(w, None, everywhere=True) for w in next(pairs))  # expert 0 decides for all (one shape)
-        if not all(k.weight is None for k in first):
+        packed = [(make(gu, None, always=True), make(down, None, always=True))
+                  for gu, down in zip(self.gate_up_proj, self.down_proj)]
+        if packed[0][0].packed is None:  # no packed kernel here (device, dtype)
             return []
-        self._packed = [first] + [(make(gu, None, everywhere=True), make(down, None, everywhere=True))
-                                  for gu, down in pairs]
-        self.release_experts(keep_packed=True)
-        return [k for pair in self._packed for k in pair]
+        self._packed = packed
+        self._packed_for = (True,) * len(ROW_PROBES) if make.mode == "packed" else self._measure_paths()
+        if not any(self._packed_for):
+            self._packed = None
+            return []
+        if all(self._packed_for):
+            self.release_experts(keep_packed=True)
+        return [k for pair in packed for k in pair]
+
+    def _measure_paths(self) -> tuple[bool, ...]:
+        """Per step size of ``ROW_PROBES`` tokens: is the packed path faster than the grouped GEMM by 5%?"""
+        e, two_i, h = self.gate_up_proj.shape
+        key = (e, two_i, h, self.top_k, self.gate_up_proj.dtype, torch.get_num_threads())
+        if key not in _PATHS:
+            gen = torch.Generator().manual_seed(0)
+            faster = []
+            for t in ROW_PROBES:
+                x = torch.randn(t, h, generator=gen).to(self.gate_up_proj.dtype)
+                experts = torch.stack([torch.randperm(e, generator=gen)[:self.top_k] for _ in range(t)])
+                weights = torch.full((t, self.top_k), 1.0 / self.top_k, dtype=x.dtype)
+                counts = torch.bincount(experts.view(-1), minlength=e)
+                grouped = median_seconds(lambda: self._experts(x, weights, experts, counts, packed=False))
+                one_by_one = median_seconds(lambda: self._experts(x, weights, experts, counts, packed=True))
+                faster.append(one_by_one < 0.95 * grouped)
+            _PATHS[key] = tuple(faster)
+        return _PATHS[key]
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All experts' (gate_up [E, 2I, H], down [E, H, I]), plain tensors (rebuilt when packed)."""
-        if self._packed is None:
+        """All experts' (gate_up [E, 2I, H], down [E, H, I]), plain tensors (rebuilt when only packed ones remain)."""
+        if self._packed is None or self.gate_up_proj.shape[0]:
             return self.gate_up_proj, self.down_proj
         return (torch.stack([gu.dense() for gu, _ in self._packed]),
                 torch.stack([down.dense() for _, down in self._packed]))
@@ -92,13 +124,22 @@ class SparseMoe(nn.Module):
         self.expert_counts += counts
         if self.executor is not None:
             return self.executor(x, weights, experts)
-        if t == 1 and self._packed is not None:
+        packed = self._packed is not None and self._packed_for[bucket(t)]
+        return self._experts(x, weights, experts, counts, packed=packed)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor, *,
+                 packed: bool) -> torch.Tensor:
+        """The routed experts on x [T, H] (``counts``: rows per expert), by the grouped GEMM or, ``packed``, one by
+        one through their packed kernels."""
+        t, h = x.shape
+        if t == 1 and packed:
             return self._one_token(x, weights[0], experts[0].tolist())
+        flat = experts.view(-1)
         order = torch.argsort(flat, stable=True)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         token = order // self.top_k
         xs = x[token]  # [S, H], S = T * k, grouped by expert
-        if self._packed is not None:
+        if packed:
             y = self._run_packed(xs, offsets)
         else:
             gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offsets).chunk(2, dim=-1)
@@ -156,6 +197,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_PATHS: dict[tuple, tuple[bool, ...]] = {}  # (E, 2I, H, k, dtype, threads) -> SparseMoe._measure_paths' answer
 
 
 class DenseMlp(nn.Module):

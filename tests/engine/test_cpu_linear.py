@@ -94,6 +94,50 @@ def test_packed_experts_equal_the_grouped_path_and_keep_one_copy():
     assert moe._packed is None and moe.gate_up_proj.numel() == 0
 
 
+@pytest.mark.parametrize("measured", [(True, False, False), (False, False, False), (True, True, True)])
+def test_auto_experts_take_the_path_measured_faster_for_each_step_size(monkeypatch, measured):
+    """Auto mode times the grouped GEMM against the packed experts per step size; a mixed answer keeps both copies
+    and each step runs the path measured faster for its token count, with the same results either way."""
+    from engine import moe as moe_mod
+
+    moe = _moe()
+    x = torch.randn(40, 24, generator=torch.Generator().manual_seed(3))  # judged by the 16-token probe
+    want_one, want_many = moe(x[:1]), moe(x)
+    paths = []
+    real = SparseMoe._experts
+
+    def spy(self, *a, packed):
+        paths.append(packed)
+        return real(self, *a, packed=packed)
+
+    monkeypatch.setattr(moe_mod, "_PATHS", {})
+    monkeypatch.setattr(SparseMoe, "_measure_paths", lambda self: measured)
+    cpu_linear.pack_linears(moe, "auto")
+    monkeypatch.setattr(SparseMoe, "_experts", spy)
+    torch.testing.assert_close(moe(x[:1]), want_one, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(moe(x), want_many, rtol=1e-5, atol=1e-5)
+    assert paths == [measured[0], measured[1]]
+    assert (moe._packed is not None) == any(measured)  # no packed copy where it never runs
+    assert (moe.gate_up_proj.numel() > 0) == (not all(measured))  # the plain experts only where a step needs them
+
+
+def test_expert_paths_are_measured_once_per_shape(monkeypatch):
+    from engine import moe as moe_mod
+
+    a, b = _moe(), _moe()
+    make = cpu_linear.make_kernel("auto")
+    calls = []
+    real = SparseMoe._experts
+    monkeypatch.setattr(moe_mod, "_PATHS", {})
+    monkeypatch.setattr(SparseMoe, "_experts",
+                        lambda self, *args, packed: calls.append(packed) or real(self, *args, packed=packed))
+    a.pack_linears(make)
+    timed = len(calls)
+    b.pack_linears(make)  # the same shapes: the first one's answer
+    assert timed > 0 and len(calls) == timed and len(a._packed_for) == len(cpu_linear.ROW_PROBES)
+    assert a._packed_for == b._packed_for == moe_mod._PATHS[(6, 32, 24, 2, torch.float32, torch.get_num_threads())]
+
+
 def test_native_mode_and_bad_modes():
     layer = Linear(8, 4)
     assert cpu_linear.pack_linears(layer, "native") == {"layers": 0, "packed": 0} and layer.kernel is None
