@@ -23,12 +23,12 @@ from duet_client.errors import (
     Unauthenticated,
     Unavailable,
 )
-from duet_client.types import Choice, Completion, Delta, TokenLogprob, Usage
+from duet_client.types import Choice, Completion, Delta, TokenLogprob, ToolCall, Usage
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncClient", "AsyncTokenStream", "Cancelled", "Choice", "Client", "Completion", "DeadlineExceeded", "Delta",
     "DuetClientError", "Internal", "InvalidArgument", "NotFound", "ResourceExhausted", "RetryPolicy", "TLSConfig",
-    "TokenLogprob", "TokenStream", "Unauthenticated", "Unavailable", "Usage",
+    "TokenLogprob", "TokenStream", "ToolCall", "Unauthenticated", "Unavailable", "Usage",
 ]

@@ -135,7 +135,10 @@ class Client:
         """Stream the completion of ``prompt`` (text, each ``<image>`` marking where the next of ``images`` goes, or
         token ids) or of chat ``messages=[{"role", "content"}]``. Options: ``images`` (bytes, paths or PIL
         images), ``max_tokens, temperature, top_p, top_k, seed, stop`` (a string or a list), ``stop_token_ids,
-        min_tokens, ignore_eos, raw_prompt`` (skip the chat template), ``model``, ``request_id``. ``timeout`` is the
+        min_tokens, ignore_eos, raw_prompt`` (skip the chat template), ``model``, ``request_id``, the penalties,
+        ``logprobs, prompt_logprobs, n``; ``response_format`` (OpenAI's dict: structured outputs), and with chat
+        ``messages`` ``tools, tool_choice, parallel_tool_calls`` as OpenAI's chat API takes them (the final
+        ``Completion`` then has ``tool_calls`` and ``content``; the deltas carry the raw text). ``timeout`` is the
         deadline in seconds for the whole call, retries included."""
         req = build_request(prompt, **options)
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -6,7 +6,23 @@ from dataclasses import dataclass, field
 
 from duet_client._proto.duet.v1 import duet_pb2 as pb
 
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort",
+                  pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call of one of the request's tools, parsed from the reply: ``arguments`` is JSON text (OpenAI's
+    ``function.arguments``). Send it back in the next request's assistant turn (``tool_calls=[call]``) and answer
+    it with a ``{"role": "tool", "tool_call_id": call.id, "content": ...}`` turn."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def openai(self) -> dict:
+        """As OpenAI's ``message.tool_calls`` entries."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True)
@@ -36,9 +52,13 @@ class Choice:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "tool_calls"
     stop: str = ""
     logprobs: list[TokenLogprob] | None = None
+    # A request with tools: the calls parsed from text; content is text without them (None when only calls remain).
+    # Without tools: no calls, and content is text.
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    content: str | None = None
 
 
 @dataclass
@@ -64,13 +84,15 @@ class Completion:
     request_id: str
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "tool_calls" (it ended with tool calls)
     stop: str = ""  # the stop string that ended it, if any
     usage: Usage = field(default_factory=Usage)
     timeline: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # choice 0's, when asked
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens after the first, when asked
     choices: list[Choice] = field(default_factory=list)  # every choice (text, token_ids, ... above: choice 0's)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # choice 0's (see Choice)
+    content: str | None = None  # choice 0's (see Choice)
 
 
 class CompletionBuilder:
@@ -111,9 +133,16 @@ class CompletionBuilder:
         for end in f.choices:  # an api_version-1 server sends none: choice 0 is the request
             choice = self._choices.setdefault(end.index, Choice(end.index))
             choice.finish_reason, choice.stop = FINISH_REASONS.get(end.finish_reason), end.stop
+            choice.tool_calls = [ToolCall(t.id, t.name, t.arguments) for t in end.tool_calls]
+            if end.HasField("content"):  # the server parsed the text for tool calls
+                choice.content = end.content if end.content or not choice.tool_calls else None
         c.choices = [self._choices[i] for i in sorted(self._choices)] or [Choice(0)]
         if not f.choices:
             c.choices[0].finish_reason, c.choices[0].stop = c.finish_reason, c.stop
+        for choice in c.choices:
+            if not choice.tool_calls and choice.content is None:
+                choice.content = choice.text
+        c.tool_calls, c.content = c.choices[0].tool_calls, c.choices[0].content
         c.usage = Usage(f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.total_tokens)
         c.timeline = timeline_to_dict(f.timeline)
         return None

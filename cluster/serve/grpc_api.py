@@ -1,7 +1,9 @@
 """The ``duet.v1.Duet`` gRPC service (grpc.aio), its bearer-token check, and the standard health service.
 
-Messages are converted at this edge only: :func:`request_from_proto` builds the service's
-:class:`~cluster.serve.service.GenerateInput`; events go back as ``GenerateResponse`` messages. A client that
+Messages are converted at this edge only: :func:`~cluster.serve.grpc_requests.request_from_proto` builds the
+service's :class:`~cluster.serve.service.GenerateInput`; events go back as ``GenerateResponse`` messages. A request
+with tools (api_version 3) streams its raw text as any other; its final message carries each choice's tool calls,
+parsed by the same parser and rule as the HTTP reply (:func:`~cluster.serve.tool_calls.reply_message`). A client that
 cancels the call cancels the handler task, which closes the service's stream and aborts the request on its workers.
 """
 
@@ -11,6 +13,7 @@ import contextlib
 import hmac
 import logging
 import uuid
+from collections import defaultdict
 from pathlib import Path
 
 import grpc
@@ -20,58 +23,50 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.serve.config import ServeConfig
 from cluster.serve.errors import classify
-from cluster.serve.schema import (
-    DeltaEvent,
-    FinalEvent,
-    GenerateInput,
-    ImageInput,
-    SamplingOptions,
-)
+from cluster.serve.grpc_requests import API_VERSION, request_from_proto
+from cluster.serve.schema import ChoiceEnd, DeltaEvent, FinalEvent
 from cluster.serve.service import InferenceService
+from cluster.serve.tool_calls import HermesParser, reply_message, tool_parser
 from duet_client._proto.duet.v1 import duet_pb2 as pb
 from duet_client._proto.duet.v1 import duet_pb2_grpc as pb_grpc
 from duet_client.errors import RETRY_AFTER_KEY
-from engine.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-API_VERSION = 2  # 2: penalties, logprobs, n (fields added; version-1 requests mean the same)
-_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
+           "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
 _ROLES = {"prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE}
 # a status row's "healing" (cluster.control.pool_healer.PoolHealer.state_of)
 _HEALING = {"respawning": pb.WORKER_HEALING_RESPAWNING, "given_up": pb.WORKER_HEALING_GIVEN_UP}
 
 
-def request_from_proto(req: pb.GenerateRequest) -> GenerateInput:
-    if req.api_version > API_VERSION:
-        raise InvalidRequestError(f"api_version {req.api_version} is newer than this server's ({API_VERSION})")
-    if not (req.request_id.isascii() and req.request_id.isprintable()):  # it goes back as x-request-id metadata
-        raise InvalidRequestError("request_id must be printable ASCII")
-    s = req.sampling
-    sampling = SamplingOptions(
-        temperature=s.temperature if s.HasField("temperature") else None,
-        top_p=s.top_p if s.HasField("top_p") else None, top_k=s.top_k if s.HasField("top_k") else None,
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else None, min_tokens=s.min_tokens,
-        stop_token_ids=list(s.stop_token_ids), stop=list(s.stop), ignore_eos=s.ignore_eos,
-        seed=s.seed if s.HasField("seed") else None,
-        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
-        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        logprobs=s.logprobs if s.HasField("logprobs") else None,
-        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None, n=s.n or 1)
-    kind = req.WhichOneof("input")
-    inp = GenerateInput(images=[ImageInput(i.data, i.mime_type) for i in req.images], raw_prompt=req.raw_prompt,
-                        sampling=sampling, model=req.model, request_id=req.request_id)
-    if kind == "prompt_token_ids":
-        inp.prompt_token_ids = list(req.prompt_token_ids.ids)
-    elif kind == "chat":
-        inp.messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-    else:
-        inp.prompt = req.prompt  # unset: "" -> "the prompt is empty"
-    return inp
+class ToolReplies:
+    """A request with tools: each choice's streamed text, parsed into tool calls when the final message is written."""
+
+    def __init__(self, parser: HermesParser) -> None:
+        self.parser = parser
+        self.texts: dict[int, list[str]] = defaultdict(list)
+
+    def note(self, ev: DeltaEvent) -> None:
+        self.texts[ev.index].append(ev.text)
+
+    def choice(self, end: ChoiceEnd) -> pb.ChoiceFinal:
+        """Choice ``end`` with its calls, the content without them, and ``tool_calls`` as its finish reason when it
+        stopped with calls (the HTTP reply's rule)."""
+        msg, finish = reply_message(self.parser, "".join(self.texts[end.index]), end.finish_reason)
+        calls = [pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                 for c in msg.get("tool_calls", [])]
+        return pb.ChoiceFinal(index=end.index, finish_reason=_FINISH.get(finish, pb.FINISH_REASON_UNSPECIFIED),
+                              stop=end.stop, completion_tokens=end.completion_tokens, tool_calls=calls,
+                              content=msg["content"] or "")
 
 
-def final_to_proto(ev: FinalEvent) -> pb.GenerateFinal:
+def _choice_to_proto(end: ChoiceEnd) -> pb.ChoiceFinal:
+    return pb.ChoiceFinal(index=end.index, finish_reason=_FINISH.get(end.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+                          stop=end.stop, completion_tokens=end.completion_tokens)
+
+
+def final_to_proto(ev: FinalEvent, tools: ToolReplies | None = None) -> pb.GenerateFinal:
     t, kv = ev.timeline, ev.timeline.get("kv_transfer") or {}
     timeline = pb.Timeline(
         vision_encode_seconds=float(t.get("vision_encode_s", 0.0)),
@@ -89,10 +84,11 @@ def final_to_proto(ev: FinalEvent) -> pb.GenerateFinal:
                                   state_frames=int(kv.get("state_frames", 0))))
     usage = pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
                      total_tokens=ev.prompt_tokens + ev.completion_tokens)
-    choices = [pb.ChoiceFinal(index=c.index, finish_reason=_FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-                              stop=c.stop, completion_tokens=c.completion_tokens) for c in ev.choices]
-    return pb.GenerateFinal(finish_reason=_FINISH.get(ev.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-                            stop=ev.stop, usage=usage, timeline=timeline, choices=choices)
+    choices = [tools.choice(c) if tools is not None else _choice_to_proto(c) for c in ev.choices]
+    finish = _FINISH.get(ev.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+    if tools is not None:  # TOOL_CALLS when choice 0 ended with calls
+        finish = next((c.finish_reason for c in choices if c.index == 0), finish)
+    return pb.GenerateFinal(finish_reason=finish, stop=ev.stop, usage=usage, timeline=timeline, choices=choices)
 
 
 def _logprobs_to_proto(lps) -> list[pb.TokenLogprob]:
@@ -115,15 +111,21 @@ class DuetServicer(pb_grpc.DuetServicer):
         try:
             inp = request_from_proto(request)
             inp.request_id = rid
+            # chat with tools: the model family's parser (sets the calls' grammar for required / a named tool)
+            parser = tool_parser(inp.tools, inp.sampling, self.service.cluster.inputs.cfg.text.model_type)
+            tools = ToolReplies(parser) if parser is not None else None
             await context.send_initial_metadata((("x-request-id", rid),))
             # aclosing: a cancelled call closes the request at once, wherever this handler was suspended
             async with contextlib.aclosing(self.service.generate(inp, api="grpc")) as events:
                 async for ev in events:
                     if isinstance(ev, DeltaEvent):
+                        if tools is not None:
+                            tools.note(ev)
                         yield pb.GenerateResponse(api_version=API_VERSION, request_id=rid,
                                                   delta=delta_to_proto(ev))
                     else:
-                        yield pb.GenerateResponse(api_version=API_VERSION, request_id=rid, final=final_to_proto(ev))
+                        yield pb.GenerateResponse(api_version=API_VERSION, request_id=rid,
+                                                  final=final_to_proto(ev, tools))
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
             await _abort_with(context, e)
 

@@ -14,6 +14,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
 
 class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -30,6 +31,7 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
@@ -52,12 +54,18 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Chat(_message.Message):
     __slots__ = ("messages",)
@@ -99,8 +107,42 @@ class SamplingParams(_message.Message):
     prompt_logprobs: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
+class ResponseFormat(_message.Message):
+    __slots__ = ("type", "schema", "name", "strict")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    schema: str
+    name: str
+    strict: bool
+    def __init__(self, type: _Optional[str] = ..., schema: _Optional[str] = ..., name: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters", "strict")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: str
+    strict: bool
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("api_version", "request_id", "model", "prompt", "prompt_token_ids", "chat", "images", "sampling", "raw_prompt")
+    __slots__ = ("api_version", "request_id", "model", "prompt", "prompt_token_ids", "chat", "images", "sampling", "raw_prompt", "response_format", "tools", "tool_choice", "parallel_tool_calls")
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +152,10 @@ class GenerateRequest(_message.Message):
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     api_version: int
     request_id: str
     model: str
@@ -119,7 +165,11 @@ class GenerateRequest(_message.Message):
     images: _containers.RepeatedCompositeFieldContainer[Image]
     sampling: SamplingParams
     raw_prompt: bool
-    def __init__(self, api_version: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., raw_prompt: _Optional[bool] = ...) -> None: ...
+    response_format: ResponseFormat
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: str
+    parallel_tool_calls: bool
+    def __init__(self, api_version: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., raw_prompt: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -234,16 +284,20 @@ class TtftBreakdown(_message.Message):
     def __init__(self, frontend_queue_seconds: _Optional[float] = ..., decode_allocate_seconds: _Optional[float] = ..., prefill_submit_seconds: _Optional[float] = ..., prefill_queue_seconds: _Optional[float] = ..., vision_encode_seconds: _Optional[float] = ..., prefill_compute_seconds: _Optional[float] = ..., transfer_exposed_seconds: _Optional[float] = ..., decode_commit_seconds: _Optional[float] = ..., first_token_streamed_seconds: _Optional[float] = ...) -> None: ...
 
 class ChoiceFinal(_message.Message):
-    __slots__ = ("index", "finish_reason", "stop", "completion_tokens")
+    __slots__ = ("index", "finish_reason", "stop", "completion_tokens", "tool_calls", "content")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
     index: int
     finish_reason: FinishReason
     stop: str
     completion_tokens: int
-    def __init__(self, index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop: _Optional[str] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    content: str
+    def __init__(self, index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop: _Optional[str] = ..., completion_tokens: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateFinal(_message.Message):
     __slots__ = ("finish_reason", "stop", "usage", "timeline", "choices")
