@@ -54,6 +54,7 @@ class DecodeActor(WorkerActorBase):
         self.cond = threading.Condition()
         self.wake = threading.Event()  # set by allocate: an idle loop sleeps on it instead of polling
         self.pending: list[DecodeEvent] = []  # token deltas and failures not yet polled
+        self.epoch = 0  # the front-end generation served (reset); polls of another get nothing
         self.thread: threading.Thread | None = None
         self._store = None  # rank 0 of an expert-parallel group hosts the rendezvous store
         if ep is None:
@@ -115,17 +116,32 @@ class DecodeActor(WorkerActorBase):
         with self.lock:
             return self.worker.abort(request_id)
 
-    def poll(self, timeout_s: float = 0.05) -> bytes:
+    def reset(self, reason: str) -> bytes:
+        """A new front-end took this worker over (:mod:`cluster.control.reattach`): every request of the old one
+        ends (its blocks freed), the events nobody polled are dropped, and the epoch polls must carry moves on (a
+        poll the old front-end left in flight returns empty). ``{"ended", "epoch"}``."""
+        with self.lock:
+            ended = len(self.worker.fail_all(reason).events)
+            with self.cond:
+                self.pending = []
+                self.epoch += 1
+                self.cond.notify_all()
+            return messages.pack(ended=ended, epoch=self.epoch)
+
+    def poll(self, timeout_s: float = 0.05, epoch: int = 0) -> bytes:
         """Everything produced since the last poll: ``{"events": [event wire map, ...], "free_blocks": n}``
-        (:mod:`node_common.events`); waits up to ``timeout_s`` for the first event."""
+        (:mod:`node_common.events`); waits up to ``timeout_s`` for the first event. ``epoch``: the poller's front-end
+        generation (:meth:`reset`); a poll of an older one gets no events."""
         deadline = time.monotonic() + max(0.0, min(timeout_s, 5.0))
         with self.cond:
-            while not self.pending and not self.stopped:
+            while not self.pending and not self.stopped and epoch == self.epoch:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self.cond.wait(left)
-            events, self.pending = self.pending, []
+            events = []
+            if epoch == self.epoch:
+                events, self.pending = self.pending, []
         return messages.pack(events=[ev.to_wire() for ev in events], free_blocks=self.worker.free_blocks)
 
     def stats(self) -> bytes:

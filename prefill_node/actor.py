@@ -58,6 +58,15 @@ class PrefillActor(WorkerActorBase):
         with self.lock:
             return self.worker.abort(request_id)
 
+    def reset(self, reason: str) -> bytes:
+        """A new front-end took this worker over (:mod:`cluster.control.reattach`): every request of the old one
+        ends (its transfer aborted, its blocks freed) and nothing it was told is kept. ``{"ended", "epoch"}`` (0:
+        nothing polls a prefill worker)."""
+        with self.lock:
+            ended = self.worker.abort_all(reason)
+            self.worker.take_report()
+            return messages.pack(ended=ended, epoch=0)
+
     def report(self) -> bytes:
         """What changed since the last report (a submit reply or this: :meth:`PrefillWorker.take_report`): the
         front-end asks every second, so an eviction reaches its router and a request given up reaches its attempt

@@ -92,6 +92,10 @@ class PrefillWorker:
             sender.abort(reason)
         return self.engine.abort_request(request_id)
 
+    def abort_all(self, reason: str) -> int:
+        """Abort every request, handed off or not (a new front-end took the worker over); returns how many."""
+        return sum(self.abort(rid, reason) or True for rid in [*self.requests, *self._handed_off])
+
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
 

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from cluster.control import cluster_ops
+from cluster.control import cluster_ops, reattach
 from cluster.control.admission import PrefillAdmission, apply_prefix_report
 from cluster.control.completion import Completion, collect
 from cluster.control.delta import Delta, WorkerPair
@@ -65,7 +65,10 @@ class DisaggCluster:
         self.spec = spec
         # the data plane's key: generated here, held by this front-end and handed to each worker as a constructor
         # argument (Ray pickles it on the control plane); never logged, never on a command line or in the environment
-        self._secret = ClusterSecret.generate() if spec.data_plane_auth == "hmac" else None
+        self._secret = None
+        if spec.data_plane_auth == "hmac":  # detached workers that may be reattached keep the key they have
+            self._secret = (spec.detached_name and reattach.recorded_secret(spec.detached_name)) \
+                or ClusterSecret.generate()
         cfg = ModelConfig.from_pretrained(spec.model_dir)
         tok = Tokenizer.from_pretrained(spec.model_dir) if (Path(spec.model_dir) / "tokenizer.json").is_file() else None
         improc = image_processor_for(spec.model_dir, cfg)  # LLaVA's fixed-size or Qwen3-VL's native-resolution
@@ -159,6 +162,18 @@ class DisaggCluster:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         fut = asyncio.run_coroutine_threadsafe(self._batch(prompts, plist), self._loop)
         return fut.result(timeout=timeout_s or self.spec.request_timeout_s + 30)
+
+    def abandon(self) -> None:
+        """Stop this front-end and leave its workers running, as a front-end that dies does (detached workers: the
+        next front-end of the same ``detached_name`` reattaches to them; :mod:`cluster.control.reattach`)."""
+        self._prefix_task.cancel()
+        try:
+            asyncio.run_coroutine_threadsafe(self.pool.stop_healing(), self._loop).result(timeout=5)
+        except Exception:  # noqa: BLE001 - best effort: the loop stops below
+            logger.warning("pool healer did not stop within 5 s")
+        self.pool.abandon()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
 
     def shutdown(self) -> None:
         self._prefix_task.cancel()

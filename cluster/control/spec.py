@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,9 @@ class ClusterSpec:
     # deadline (cluster.control.admission); False: it waits and times out instead
     refuse_when_overloaded: bool = True
     kv_compression: str | dict | None = "none"  # a policy name, JSON or dict (kv_transfer.compression)
+    # workers as named detached Ray actors that outlive the front-end; the next front-end of this name reattaches to
+    # them (cluster.control.reattach; `duet serve --address` sets "duet"). None: workers die with their front-end
+    detached_name: str | None = None
     # expert parallelism: decode workers form groups of this size that share the experts (1: every decode worker
     # holds all experts); each worker has expert_slots_per_worker slots per MoE layer (None: ceil(experts / size))
     expert_parallel: int = 1
@@ -96,6 +100,9 @@ class ClusterSpec:
             raise InvalidRequestError(f"no checkpoint at {self.model_dir}")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise InvalidRequestError("need at least one prefill and one decode worker")
+        name = self.detached_name
+        if name is not None and not (0 < len(name) <= 64 and name.replace("-", "").replace("_", "").isalnum()):
+            raise InvalidRequestError(f"detached_name must be 1-64 letters, digits, '-' or '_', got {name!r}")
         if self.prefill_max_batched_tokens is not None and self.prefill_max_batched_tokens < 1:
             raise InvalidRequestError("prefill_max_batched_tokens must be >= 1 (or None)")
         if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens < 1:
@@ -233,3 +240,17 @@ class ClusterSpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def prefill_threads(spec: ClusterSpec, nodes: int, cores: int | None = None) -> dict[str, int]:
+    """``{"num_threads", "nice"}`` of each prefill worker (``ClusterSpec.prefill_threads``). On CPU workers of a
+    one-node cluster, not pinned and not set: the node's ``cores`` shared out over the prefill workers, at nice
+    ``PREFILL_NICE`` so the decode workers' steps come first. E.g. 2 cores, 1 prefill + 1 decode: 2 threads at nice
+    10 (the decode worker keeps its 1 thread at normal priority)."""
+    if spec.prefill_threads is not None:
+        return {"num_threads": spec.prefill_threads, "nice": 0}
+    own = max(1, int(spec.cpus_per_worker))
+    if spec.gpus_per_worker > 0 or spec.pin_cpus or nodes != 1:
+        return {"num_threads": own, "nice": 0}
+    cores = cores or os.cpu_count() or 1
+    return {"num_threads": max(own, cores // spec.num_prefill), "nice": PREFILL_NICE}

@@ -83,7 +83,7 @@ class DecodeStreams:
         why)`` runs) or elsewhere (its requests fail)."""
         while w.alive:
             try:
-                reply = await bounded(await_ref(w.actor.poll.remote(self.poll_s)), timeout=POLL_TIMEOUT_S)
+                reply = await bounded(await_ref(w.actor.poll.remote(self.poll_s, w.epoch)), timeout=POLL_TIMEOUT_S)
                 msg = messages.unpack(reply)
                 events = [event_from_wire(ev) for ev in msg["events"]]
             except Exception as e:  # noqa: BLE001 - dead, silent, or a poll that raises: its requests must not wait

@@ -49,6 +49,9 @@ class Worker:
     placed_tokens: int = 0  # prefill workers: prompt tokens placed here, and those predicted cached (hit rate)
     predicted_cached_tokens: int = 0
     dead_reason: str | None = None  # why it was marked dead (None while alive)
+    # decode workers: the front-end generation it serves (cluster.control.reattach): polls carry it, so a poll a
+    # dead front-end left in flight takes no event of its successor's
+    epoch: int = 0
 
     @property
     def worker_id(self) -> str:

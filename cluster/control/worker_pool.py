@@ -1,8 +1,9 @@
 """The cluster's workers: the prefill and decode pools, their membership and their lifecycle.
 
-:class:`WorkerPool` starts the actors of a :class:`~cluster.control.spec.ClusterSpec` (and the expert-parallel decode
-groups), runs one decode poller per decode worker (:mod:`cluster.control.streams`) and the pool healer
-(:mod:`cluster.control.pool_healer`, whose hooks it implements), and changes membership in four ways:
+:class:`WorkerPool` starts the actors of a :class:`~cluster.control.spec.ClusterSpec` (or, with ``detached_name``,
+reattaches to live ones: :mod:`cluster.control.reattach`) and the expert-parallel decode groups, runs a poller per
+decode worker (:mod:`cluster.control.streams`) and the pool healer (:mod:`cluster.control.pool_healer`, whose hooks
+it implements), and changes membership in four ways:
 
 * :meth:`WorkerPool.add_worker` -- one more worker, routed to once it answers (the autoscaler);
 * :meth:`WorkerPool.drain_worker` -- no new requests, running ones finish, then it is shut down and removed;
@@ -23,12 +24,12 @@ import os
 from concurrent.futures import Future
 from typing import Any
 
-from cluster.control import expert_groups
+from cluster.control import expert_groups, reattach
 from cluster.control.bounded import bounded
 from cluster.control.admission import pick_decode_worker
 from cluster.control.pool_healer import PoolHealer
 from cluster.control.router import WorkerLoad
-from cluster.control.spec import PREFILL_NICE, ClusterSpec
+from cluster.control.spec import ClusterSpec, prefill_threads
 from cluster.control.streams import DecodeStreams
 from cluster.control.worker import Worker, await_ref
 from engine.config import DTYPES, TextConfig
@@ -66,8 +67,8 @@ class WorkerPool:
         self.prefill_threads = prefill_threads(spec, len([n for n in ray.nodes() if n.get("Alive")]))
         logger.info("prefill workers: %d threads each%s", self.prefill_threads["num_threads"],
                     ", below decode in priority (sharing the node's cores)" if self.prefill_threads["nice"] else "")
-        self.prefills = [self._spawn("prefill", f"prefill-{i}") for i in range(spec.num_prefill)]
-        self.decodes = [self._spawn("decode", f"decode-{i}", self._ep_configs[i]) for i in range(spec.num_decode)]
+        self._detached: dict[str, list[str]] = {}  # worker id -> [role, fingerprint] (spec.detached_name)
+        self.prefills, self.decodes = self._start_workers()
         ray.get([w.actor.ping.remote() for w in self.workers()], timeout=300)
         # expert-parallel decode groups (none when spec.expert_parallel == 1): formed before any request arrives
         try:
@@ -281,27 +282,77 @@ class WorkerPool:
             w.mark_dead("shut down")
         for fut in self._pollers.values():
             fut.cancel()
+        if self.spec.detached_name:
+            reattach.forget(self.spec.detached_name)
+
+    def abandon(self) -> None:
+        """Stop watching the workers and leave them running, as a front-end that dies does (tests, upgrades)."""
+        self._closing = True
+        for r in self.expert_routers:
+            r.stop()
+        for fut in self._pollers.values():
+            fut.cancel()
 
     # --------------------------------------------------------------------------------------------- internals
     def _pool(self, role: str) -> list[Worker]:
         return self.prefills if role == "prefill" else self.decodes
 
-    def _spawn(self, role: str, worker_id: str, expert_parallel: Any = None) -> Worker:
-        import ray
-
+    def _spawn_args(self, role: str, expert_parallel: Any = None, *, pin: bool = False) -> tuple[dict, dict]:
+        """(Ray options, constructor keyword arguments) of a new ``role`` worker (``pin``: take its cores now)."""
         spec = self.spec
         common = {"num_threads": max(1, int(spec.cpus_per_worker)), "compression": spec.compression_policy(),
-                  "cpus": self._next_cpus() if spec.pin_cpus else None, "secret": self._secret,
-                  "insecure": spec.data_plane_auth == "off"}
+                  "cpus": self._next_cpus() if spec.pin_cpus and pin else None, "secret": self._secret,
+                  "insecure": spec.data_plane_auth == "off", "model_dir": spec.model_dir,
+                  "engine_config": spec.engine_config(role), "transport": spec.transport}
         if role == "prefill":
             extra = {"stream_layers": spec.stream_layers, "kv_proxy": spec.kv_proxy, **self.prefill_threads}
         else:
             extra = {"num_threads": spec.decode_threads or common["num_threads"],
                      "lease_base_s": spec.lease_base_s, "lease_min_rate_bps": spec.lease_min_rate_bps,
                      "expert_parallel": expert_parallel, "expert_tiers": spec.tier_config()}
-        actor = ray.remote(self._actor_cls[role]).options(**spec.actor_options(role), max_concurrency=16).remote(
-            worker_id, spec.model_dir, spec.engine_config(role), spec.transport, **{**common, **extra})
+        return {**spec.actor_options(role), "max_concurrency": 16}, {**common, **extra}
+
+    def _spawn(self, role: str, worker_id: str, expert_parallel: Any = None) -> Worker:
+        import ray
+
+        options, kwargs = self._spawn_args(role, expert_parallel, pin=True)
+        if self.spec.detached_name:  # outlives this front-end; the next one reattaches (cluster.control.reattach)
+            self._detached[worker_id] = [role, reattach.fingerprint(role, options, kwargs)]
+            reattach.write_record(self.spec.detached_name, self._secret, self._detached)
+            options.update(name=reattach.actor_name(self.spec.detached_name, worker_id),
+                           namespace=reattach.NAMESPACE, lifetime="detached")
+        actor = ray.remote(self._actor_cls[role]).options(**options).remote(worker_id, **kwargs)
         return Worker(WorkerLoad(worker_id), actor)
+
+    def _start_workers(self) -> tuple[list[Worker], list[Worker]]:
+        """The pools at start: reattached detached workers where there are some (cluster.control.reattach), new
+        ones for the rest. Expert-parallel decode workers are always new (a group is formed by its front-end)."""
+        import ray
+
+        spec, attached = self.spec, reattach.Attached()
+        if spec.detached_name:
+            roles = ("prefill",) if spec.expert_parallel > 1 else ROLES
+            expected = {r: reattach.fingerprint(r, *self._spawn_args(r)) for r in roles}
+            attached = reattach.attach(spec.detached_name, expected)
+        found, seen = attached.workers, attached.seen
+        self._detached.update({w: [role, expected[role]] for w, (role, *_) in found.items()})
+        for role, _, index in (w.rpartition("-") for w in seen):  # a name just killed may not be free yet:
+            if role in self._next_index and index.isdigit():  # new workers take new ids
+                self._next_index[role] = max(self._next_index[role], int(index) + 1)
+        pools: dict[str, list[Worker]] = {}
+        for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
+            mine = sorted((w for w, (r, *_) in found.items() if r == role), key=lambda w: int(w.rsplit("-", 1)[1]))
+            for worker_id in mine[count:]:  # more than this front-end runs now
+                ray.kill(found[worker_id][1])
+                self._detached.pop(worker_id, None)
+            pools[role] = [Worker(WorkerLoad(w), found[w][1], epoch=found[w][2]) for w in mine[:count]]
+            for i in range(len(pools[role]), count):
+                worker_id = f"{role}-{i}" if f"{role}-{i}" not in seen else self._next_id(role)
+                pools[role].append(self._spawn(role, worker_id, self._ep_config(role, i)))
+        if spec.detached_name:
+            logger.info("reattached %d detached workers of %r: %s", len(found), spec.detached_name, sorted(found))
+            reattach.write_record(spec.detached_name, self._secret, self._detached)
+        return pools["prefill"], pools["decode"]
 
     def _next_cpus(self) -> list[int]:
         """The next block of cores for a pinned worker (``ClusterSpec.pin_cpus``)."""
@@ -345,17 +396,3 @@ class WorkerPool:
             ray.get([w.actor.ping.remote() for w in workers], timeout=timeout)
         if stats:
             self._read_free_blocks(workers, timeout=timeout)
-
-
-def prefill_threads(spec: ClusterSpec, nodes: int, cores: int | None = None) -> dict[str, int]:
-    """``{"num_threads", "nice"}`` of each prefill worker (``ClusterSpec.prefill_threads``). On CPU workers of a
-    one-node cluster, not pinned and not set: the node's ``cores`` shared out over the prefill workers, at nice
-    ``PREFILL_NICE`` so the decode workers' steps come first. E.g. 2 cores, 1 prefill + 1 decode: 2 threads at nice
-    10 (the decode worker keeps its 1 thread at normal priority)."""
-    if spec.prefill_threads is not None:
-        return {"num_threads": spec.prefill_threads, "nice": 0}
-    own = max(1, int(spec.cpus_per_worker))
-    if spec.gpus_per_worker > 0 or spec.pin_cpus or nodes != 1:
-        return {"num_threads": own, "nice": 0}
-    cores = cores or os.cpu_count() or 1
-    return {"num_threads": max(own, cores // spec.num_prefill), "nice": PREFILL_NICE}

@@ -34,7 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="visual tokens one request's images may take together (default 16384)")
     p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s",
                    help="seconds in-flight requests may take to finish on shutdown (default 30)")
-    p.add_argument("--address", help="join this Ray cluster (e.g. auto, or HOST:6379) instead of starting one")
+    p.add_argument("--address", help="join this Ray cluster (e.g. auto, or HOST:6379) instead of starting one; its "
+                   "workers then outlive this process and a restart reattaches to them (see --name)")
+    p.add_argument("--name", dest="detached_name",
+                   help="with --address: the name this deployment's detached workers go by (default: duet); a "
+                        "restart with the same name and configuration reattaches to them")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
                                                "model_name", "drain_timeout_s")}
     overrides["token"] = args.token or os.environ.get("DUET_TOKEN") or None
     overrides["model_dir"] = args.model_dir
+    if args.address:  # the Ray cluster outlives this process: so do the workers (cluster.control.reattach)
+        data.setdefault("detached_name", args.detached_name or "duet")
     model_default = data.get("model_dir") or str(default_model_dir())
     spec, cfg = build_configs(data, overrides, model_default)  # every config error before Ray starts
 

@@ -87,3 +87,24 @@ def test_expired_lease_is_one_failed_event(actor):
     assert len(events) == 1 and isinstance(events[0], RequestFailed) and events[0].request_id == "x"
     assert events[0].reason.startswith("TransferTimeout")
     _idle(actor)
+
+
+def test_reset_ends_every_request_and_old_polls_get_nothing(actor):
+    """A new front-end took the worker over (cluster.control.reattach): the old one's requests end, its unpolled
+    events are dropped, and a poll carrying the old epoch -- one the dead front-end left in flight -- takes nothing
+    from the new one's stream."""
+    e = actor.worker.engine
+    prompt = InputProcessor(e.model_config, e.tokenizer, e.image_processor, e.max_model_len).process(
+        make_request(7, seed=2))
+    _allocate(actor, "old", prompt, greedy(2))
+    reply = messages.unpack(actor.reset("its front-end restarted"))
+    assert reply["ended"] == 1 and reply["epoch"] == 1 and not actor.worker.requests
+    assert messages.unpack(actor.poll(0.01, 0))["events"] == []  # the old front-end's poll
+    _allocate(actor, "new", prompt, greedy(2))  # nobody sends: its lease expires into one failed event
+    assert messages.unpack(actor.poll(0.2, 0))["events"] == []
+    events, end = [], time.monotonic() + 10
+    while not events:
+        assert time.monotonic() < end
+        events = [event_from_wire(w) for w in messages.unpack(actor.poll(0.05, 1))["events"]]
+    assert [ev.request_id for ev in events] == ["new"]
+    _idle(actor)
