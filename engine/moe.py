@@ -18,6 +18,7 @@ both are timed at load, per step size, on the layer's own shapes with random rou
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -27,6 +28,8 @@ from torch import nn
 from engine.cpu_linear import ROW_PROBES, bucket, median_seconds
 from engine.layers import ACTIVATIONS, Linear
 from engine.text_config import TextConfig
+
+logger = logging.getLogger(__name__)
 
 
 class SparseMoe(nn.Module):
@@ -88,6 +91,10 @@ class SparseMoe(nn.Module):
                 one_by_one = median_seconds(lambda: self._experts(x, weights, experts, counts, packed=True))
                 faster.append(one_by_one < 0.95 * grouped)
             _PATHS[key] = tuple(faster)
+            logger.info("MoE %d experts x (%d, %d), top-%d: packed experts at %s tokens, grouped GEMM at %s%s", e,
+                        two_i, h, self.top_k, [t for t, f in zip(ROW_PROBES, faster) if f] or "no",
+                        [t for t, f in zip(ROW_PROBES, faster) if not f] or "none",
+                        " (both copies of the experts kept)" if any(faster) and not all(faster) else "")
         return _PATHS[key]
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

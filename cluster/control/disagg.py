@@ -172,8 +172,7 @@ class DisaggCluster:
         except Exception:  # noqa: BLE001 - best effort: the loop stops below
             logger.warning("pool healer did not stop within 5 s")
         self.pool.abandon()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+        self._stop_loop()
 
     def shutdown(self) -> None:
         self._prefix_task.cancel()
@@ -182,7 +181,9 @@ class DisaggCluster:
         except Exception:  # noqa: BLE001 - a replacement mid-start is killed when it is installed
             logger.warning("pool healer did not stop within 5 s")
         self.pool.close()
+        self._stop_loop()
 
+    def _stop_loop(self) -> None:
         async def cancel_rest() -> None:  # let every task see its cancellation before the loop stops
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:

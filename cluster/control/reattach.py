@@ -95,7 +95,7 @@ def attach(detached_name: str, expected: dict[str, str]) -> Attached:
     import ray
 
     rec = read_record(detached_name)
-    found = Attached(secret=recorded_secret(detached_name))
+    found = Attached(secret=None if rec is None or rec.get("secret") is None else ClusterSecret(rec["secret"]))
     prefix = actor_name(detached_name, "")
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a.get("namespace") == NAMESPACE and a["name"].startswith(prefix)]
