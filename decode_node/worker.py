@@ -183,11 +183,12 @@ class DecodeWorker:
         with self.recv_lock:
             return self.engine.release_prefill(request_id)
 
-    def _fail_transfer(self, report: StepReport, request_id: str, reason: str) -> None:
-        """A receiving request whose KV or hand-off cannot be decoded: free its blocks and report it."""
+    def _fail_transfer(self, report: StepReport, request_id: str, reason: str, *, own_fault: bool = False) -> None:
+        """A receiving request whose KV or hand-off cannot be decoded, or whose prefill failed (``own_fault``: not
+        retryable): free its blocks and report it."""
         self._forget(request_id)
         self._release(request_id)  # no-op when the engine released it already
-        report.failed[request_id] = reason
+        (report.errors if own_fault else report.failed)[request_id] = reason
 
     def poll_transfers(self, report: StepReport) -> None:
         """Commit finished transfers, release failed ones."""
@@ -203,8 +204,7 @@ class DecodeWorker:
                     self._fail_transfer(report, rid, f"{type(e).__name__}: {e}")
                     continue
                 if handoff.error is not None:  # its prefill step failed (engine.isolation): its own fault
-                    self._fail_transfer(report, rid, handoff.error)
-                    report.errors[rid] = report.failed.pop(rid)
+                    self._fail_transfer(report, rid, handoff.error, own_fault=True)
                     continue
                 try:
                     outs = self.engine.commit_prefilled(rid, handoff.first_token, handoff.generator(),

@@ -56,27 +56,20 @@ def edit_rows(logits: torch.Tensor, seqs: list[Sequence], edit: Callable[[torch.
               touched: list[int], faults: dict[int, BaseException]) -> None:
     """``edit(logits, seqs)`` in place, once for the batch. ``touched``: the rows it may change. When it raises, those
     rows get their logits back and ``edit`` runs again on each row alone (``logits[r:r+1]``, ``[seqs[r]]``): a row
-    whose own edit raises goes to ``faults`` (row -> exception), the others end up as the batched call leaves them.
-    Rows already in ``faults`` are left out."""
-    rows = [r for r in touched if r not in faults]
-    if not rows:
+    whose own edit raises goes to ``faults`` (row -> exception), the others end up as the batched call leaves them."""
+    if not touched:
         return
-    live = [r for r in range(len(seqs)) if r not in faults]
-    saved = logits[rows].clone()
+    saved = logits[touched].clone()
     try:
-        if len(live) == len(seqs):
-            edit(logits, seqs)
-        else:  # earlier faults: edit the live rows only (a view for each, edited in place)
-            for r in live:
-                edit(logits[r:r + 1], [seqs[r]])
+        edit(logits, seqs)
         return
     except Exception:  # noqa: BLE001 - find the rows at fault below
-        logits[rows] = saved
-    for r in rows:
+        logits[touched] = saved
+    for i, r in enumerate(touched):
         try:
             edit(logits[r:r + 1], [seqs[r]])
         except Exception as e:  # noqa: BLE001 - this row's fault
-            logits[r] = saved[rows.index(r)]
+            logits[r] = saved[i]
             faults[r] = e
 
 
