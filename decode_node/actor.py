@@ -47,15 +47,14 @@ class DecodeActor(WorkerActorBase):
         # transport refuses to start (MissingSecret) unless insecure (data_plane_auth "off") says so
         self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret, insecure=insecure)
         ep = None if expert_parallel is None else ExpertParallelConfig(**expert_parallel)
-        self.worker = DecodeWorker(model_dir, EngineConfig(**engine_config), self.manager,
-                                   lease=LeasePolicy(lease_base_s, lease_min_rate_bps), compression=compression,
-                                   expert_parallel=ep,
-                                   expert_tiers=None if expert_tiers is None else TierConfig(**expert_tiers))
+        self._build(lambda: DecodeWorker(model_dir, EngineConfig(**engine_config), self.manager,
+                                         lease=LeasePolicy(lease_base_s, lease_min_rate_bps), compression=compression,
+                                         expert_parallel=ep,
+                                         expert_tiers=None if expert_tiers is None else TierConfig(**expert_tiers)))
         self.cond = threading.Condition()
         self.wake = threading.Event()  # set by allocate: an idle loop sleeps on it instead of polling
         self.pending: list[DecodeEvent] = []  # token deltas and failures not yet polled
         self.epoch = 0  # the front-end generation served (reset); polls of another get nothing
-        self.thread: threading.Thread | None = None
         self._store = None  # rank 0 of an expert-parallel group hosts the rendezvous store
         if ep is None:
             self._start()
@@ -163,8 +162,8 @@ class DecodeActor(WorkerActorBase):
         self.wake.set()
         with self.cond:
             self.cond.notify_all()
-        if self.thread is not None:
-            self.thread.join(timeout=5)
+        self._go.set()  # a group member stopped before it joined: its loop thread ends without looping
+        self.thread.join(timeout=5)
         if self.worker.tiers is not None:
             self.worker.tiers.close()
         self.manager.close()

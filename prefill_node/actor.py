@@ -31,8 +31,8 @@ class PrefillActor(WorkerActorBase):
         # transport refuses to start (MissingSecret) unless insecure (data_plane_auth "off") says so; kv_proxy: the spec's (validated against the transport's dials_through_proxy)
         via = {"proxy": kv_proxy} if kv_proxy else {}
         self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret, insecure=insecure, **via)
-        self.worker = PrefillWorker(model_dir, EngineConfig(**engine_config), stream_layers=stream_layers,
-                                    compression=compression)
+        self._build(lambda: PrefillWorker(model_dir, EngineConfig(**engine_config), stream_layers=stream_layers,
+                                          compression=compression))
         self.wake = threading.Event()
         self._start()
 
