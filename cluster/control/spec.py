@@ -254,3 +254,12 @@ def prefill_threads(spec: ClusterSpec, nodes: int, cores: int | None = None) -> 
         return {"num_threads": own, "nice": 0}
     cores = cores or os.cpu_count() or 1
     return {"num_threads": max(own, cores // spec.num_prefill), "nice": PREFILL_NICE}
+
+
+def shared_core_options(threads: dict[str, int]) -> dict:
+    """Ray options of a prefill worker that shares its node's cores with decode workers (``threads["nice"]`` > 0, see
+    :func:`prefill_threads`): its OpenMP threads sleep as soon as a parallel region ends instead of spinning, so a
+    decode step does not share its core with a prefill thread that only waits (libgomp reads the policy when it
+    loads, hence the environment). Measured with vllm-serve-peer's img1024 on 2 cores, 2 rounds each, alternating:
+    decode TPOT p50 12.8 / 14.9 ms against 17.4 / 21.6 ms spinning, TTFT p50 3.28 / 4.12 s against 3.30 / 3.53 s."""
+    return {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}} if threads.get("nice") else {}

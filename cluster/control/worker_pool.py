@@ -29,7 +29,7 @@ from cluster.control.bounded import bounded
 from cluster.control.admission import pick_decode_worker
 from cluster.control.pool_healer import PoolHealer
 from cluster.control.router import WorkerLoad
-from cluster.control.spec import ClusterSpec, prefill_threads
+from cluster.control.spec import ClusterSpec, prefill_threads, shared_core_options
 from cluster.control.streams import DecodeStreams
 from cluster.control.worker import Worker, await_ref
 from engine.config import DTYPES, TextConfig
@@ -306,6 +306,8 @@ class WorkerPool:
                   "engine_config": spec.engine_config(role), "transport": spec.transport}
         if role == "prefill":
             extra = {"stream_layers": spec.stream_layers, "kv_proxy": spec.kv_proxy, **self.prefill_threads}
+            return ({**spec.actor_options(role), "max_concurrency": 16, **shared_core_options(self.prefill_threads)},
+                    {**common, **extra})
         else:
             extra = {"num_threads": spec.decode_threads or common["num_threads"],
                      "lease_base_s": spec.lease_base_s, "lease_min_rate_bps": spec.lease_min_rate_bps,

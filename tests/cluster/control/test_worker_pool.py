@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.control.spec import PREFILL_NICE, ClusterSpec
+from cluster.control.spec import PREFILL_NICE, ClusterSpec, shared_core_options
 from cluster.control.worker_pool import prefill_threads
 from engine.errors import InvalidRequestError
 
@@ -24,6 +24,13 @@ def test_otherwise_the_spec_says(tiny_model_dir, kw, nodes):
     spec = ClusterSpec(model_dir=str(tiny_model_dir), cpus_per_worker=2, **kw)
     want = kw.get("prefill_threads", 2)
     assert prefill_threads(spec, nodes=nodes, cores=16) == {"num_threads": want, "nice": 0}
+
+
+def test_only_a_prefill_worker_sharing_cores_sleeps_its_idle_openmp_threads(tiny_model_dir):
+    shared = prefill_threads(ClusterSpec(model_dir=str(tiny_model_dir)), nodes=1, cores=2)
+    assert shared_core_options(shared) == {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
+    own = prefill_threads(ClusterSpec(model_dir=str(tiny_model_dir), pin_cpus=True), nodes=1, cores=2)
+    assert shared_core_options(own) == {}
 
 
 @pytest.mark.parametrize("name", ["prefill_threads", "decode_threads"])
