@@ -306,13 +306,12 @@ class WorkerPool:
                   "engine_config": spec.engine_config(role), "transport": spec.transport}
         if role == "prefill":
             extra = {"stream_layers": spec.stream_layers, "kv_proxy": spec.kv_proxy, **self.prefill_threads}
-            return ({**spec.actor_options(role), "max_concurrency": 16, **shared_core_options(self.prefill_threads)},
-                    {**common, **extra})
         else:
             extra = {"num_threads": spec.decode_threads or common["num_threads"],
                      "lease_base_s": spec.lease_base_s, "lease_min_rate_bps": spec.lease_min_rate_bps,
                      "expert_parallel": expert_parallel, "expert_tiers": spec.tier_config()}
-        return {**spec.actor_options(role), "max_concurrency": 16}, {**common, **extra}
+        shared = shared_core_options(self.prefill_threads) if role == "prefill" else {}
+        return {**spec.actor_options(role), "max_concurrency": 16, **shared}, {**common, **extra}
 
     def _spawn(self, role: str, worker_id: str, expert_parallel: Any = None) -> Worker:
         import ray
