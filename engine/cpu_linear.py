@@ -9,8 +9,15 @@ on the weight's shape, the number of rows, the dtype and the host (AMD EPYC with
 :data:`ROW_PROBES` rows, and each row range then uses whichever kernel was faster there. Results equal ``F.linear``'s
 to float rounding (the same products, summed in another order), not bit for bit.
 
+A third kernel competes where a call has at most :data:`engine.cpu_kernels.MAX_ROWS` rows (a decode step): the
+few-row kernel of :mod:`engine.cpu_kernels`, compiled on the host, which reads the weight at close to the core's
+memory bandwidth where both library kernels reach a third to a half of it (float32; AMD EPYC, 1 thread, cold
+weights: a 768 x 512 projection at one row 154 us with ``F.linear``, 121 us packed, 81 us few-row; at four rows
+193 / 100 / 140 us). It is timed at :data:`FEW_ROW_PROBES` rows beside the other two and runs calls of up to the
+largest probe at which it, and every smaller probe, was faster than both by 5%.
+
 Modes (``EngineConfig.cpu_linear``): ``"auto"`` (measure, the default), ``"packed"`` (always the packed kernel: for
-tests), ``"native"`` (never). Off CPU, for float16, or where this torch build lacks the oneDNN ops, every layer keeps
+tests), ``"native"`` (never; nor the few-row kernel). Off CPU, for float16, or where this torch build lacks the oneDNN ops, every layer keeps
 ``F.linear``. Memory: a packed copy of every packed weight is kept beside the original (the original serves tied
 embeddings, checkpoint export and the native row ranges).
 """
@@ -27,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "packed", "native")
@@ -36,6 +45,9 @@ _COLD_BYTES = 32 << 20  # the probes cycle through copies of a weight this large
 _PROBE_BUDGET_S = 0.02  # per kernel per probe: repetitions are cut to fit (a large LM head runs once or twice)
 _timings: dict[tuple, tuple[tuple[float, float], ...]] = {}  # (N, K, dtype, bias, threads) -> per probe (F.linear s,
 # packed s), measured once per process
+FEW_ROW_PROBES = (1, 2, 4)  # up to cpu_kernels.MAX_ROWS
+_few_row_timings: dict[tuple, tuple[tuple[float, float], ...]] = {}  # the same key -> per FEW_ROW_PROBES (the faster
+# library kernel's seconds, the few-row kernel's seconds)
 
 
 def available() -> bool:
@@ -52,13 +64,21 @@ def bucket(rows: int) -> int:
 
 class LinearKernel:
     """``kernel(x)`` = ``F.linear(x, weight, bias)``; rows in a range where the packed kernel was measured faster go
-    through oneDNN with the weight packed once. ``packed_for[i]``: whether rows judged by ``ROW_PROBES[i]`` do."""
+    through oneDNN with the weight packed once. ``packed_for[i]``: whether rows judged by ``ROW_PROBES[i]`` do.
+    ``few_rows``: calls of up to that many rows run the compiled few-row kernel (float32, at most
+    ``cpu_kernels.MAX_ROWS``; 0: never)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed_for: tuple[bool, ...]) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed_for: tuple[bool, ...], *,
+                 few_rows: int = 0) -> None:
         self.bias, self.packed_for, self.dtype = bias, packed_for, weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if any(packed_for) else None
+        self.few_rows = cpu_kernels.library() if few_rows and weight.dtype == torch.float32 else None
+        self.few_rows_upto = min(few_rows, cpu_kernels.MAX_ROWS) if self.few_rows is not None else 0
+        if self.few_rows is not None:  # the compiled kernel reads plain contiguous float32
+            weight = weight.contiguous()
+            self.bias = None if bias is None else bias.contiguous()
         # packed for every row count: the kernel does not need the plain weight (a caller may free it)
-        self.weight = None if self.packed is not None and all(packed_for) else weight
+        self.weight = None if self.packed is not None and all(packed_for) and self.few_rows is None else weight
 
     def dense(self) -> torch.Tensor:
         """The plain [N, K] weight (rebuilt from the packed one when the kernel does not keep it)."""
@@ -66,6 +86,8 @@ class LinearKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if 0 < rows <= self.few_rows_upto and x.dtype == torch.float32:
+            return cpu_kernels.linear(self.few_rows, x, self.weight, self.bias)
         if self.weight is not None and (self.packed is None or not rows or not self.packed_for[bucket(rows)]
                                         or x.dtype != self.dtype):
             return F.linear(x, self.weight, self.bias)
@@ -108,9 +130,7 @@ def timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[floa
     rows; measured once per (shape, dtype, bias, threads)."""
     key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
     if key not in _timings:
-        # several copies, used in turn, so that a small weight is read from memory as in a step (a layer's weights
-        # are evicted by the other layers' before they come round again), not from a cache the probe keeps warm
-        copies = [weight.detach().clone() for _ in range(max(1, min(16, -(-_COLD_BYTES // _nbytes(weight)))))]
+        copies = _cold_copies(weight)
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in copies]
         gen = torch.Generator().manual_seed(0)
         turn = itertools.count()
@@ -122,6 +142,49 @@ def timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[floa
                 x, packed[next(turn) % len(packed)], bias, "none", [], ""))))
         _timings[key] = tuple(row)
     return _timings[key]
+
+
+def few_row_timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[float, float], ...]:
+    """Per probe of :data:`FEW_ROW_PROBES`: (the faster of ``F.linear`` and the packed kernel, the few-row kernel),
+    seconds, on the same kind of cold copies as :func:`timings`; measured once per (shape, dtype, bias, threads).
+    Empty where the few-row kernel cannot run (not float32, or not built)."""
+    lib = cpu_kernels.library() if weight.dtype == torch.float32 else None
+    if lib is None:
+        return ()
+    key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
+    if key not in _few_row_timings:
+        copies = _cold_copies(weight)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in copies]
+        b = None if bias is None else bias.detach().contiguous()
+        gen = torch.Generator().manual_seed(0)
+        turn = itertools.count()
+        row = []
+        for rows in FEW_ROW_PROBES:
+            x = torch.randn(rows, weight.shape[1], generator=gen)
+            native = median_seconds(lambda: F.linear(x, copies[next(turn) % len(copies)], b))
+            onednn = median_seconds(lambda: torch.ops.mkldnn._linear_pointwise(
+                x, packed[next(turn) % len(packed)], b, "none", [], ""))
+            few = median_seconds(lambda: cpu_kernels.linear(lib, x, copies[next(turn) % len(copies)], b))
+            row.append((min(native, onednn), few))
+        _few_row_timings[key] = tuple(row)
+    return _few_row_timings[key]
+
+
+def few_rows_upto(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """The most rows a call of this weight runs through the few-row kernel: the largest probe at which it, and at
+    every smaller probe, was faster than the library kernels by 5% (0: none)."""
+    upto = 0
+    for rows, (library, few) in zip(FEW_ROW_PROBES, few_row_timings(weight, bias)):
+        if few >= 0.95 * library:
+            break
+        upto = rows
+    return upto
+
+
+def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """Several copies of ``weight``, used in turn, so that a small weight is read from memory as in a step (a layer's
+    weights are evicted by the other layers' before they come round again), not from a cache the probe keeps warm."""
+    return [weight.detach().contiguous().clone() for _ in range(max(1, min(16, -(-_COLD_BYTES // _nbytes(weight)))))]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -155,7 +218,8 @@ def make_kernel(mode: str) -> Callable[[torch.Tensor, torch.Tensor | None], Line
             return LinearKernel(weight, bias, (False,) * len(ROW_PROBES))
         packed_all = always or mode == "packed"
         chosen = (True,) * len(ROW_PROBES) if packed_all else measure(weight, bias, everywhere=everywhere)
-        return LinearKernel(weight, bias, chosen)
+        few = 0 if packed_all or everywhere else few_rows_upto(weight, bias)
+        return LinearKernel(weight, bias, chosen, few_rows=few)
 
     make.mode = mode  # type: ignore[attr-defined]  # "packed": callers that measure skip it (tests force the path)
     return make
@@ -163,17 +227,20 @@ def make_kernel(mode: str) -> Callable[[torch.Tensor, torch.Tensor | None], Line
 
 def pack_linears(model: nn.Module, mode: str = "auto") -> dict[str, int]:
     """Give every module that takes one (``pack_linears(make)``: :class:`engine.layers.Linear`, attention's split
-    projections) its kernels. Returns ``{"layers", "packed"}`` counts (packed: a layer with any packed row range)."""
+    projections, the MoE experts) its kernels. Returns ``{"layers", "packed", "few_rows"}`` counts (packed: a layer
+    with any packed row range; few_rows: one whose calls of few rows run the compiled kernel)."""
     make = make_kernel(mode)
     if make is None:
-        return {"layers": 0, "packed": 0}
+        return {"layers": 0, "packed": 0, "few_rows": 0}
     t0 = time.perf_counter()
     kernels: list[LinearKernel] = []
     for module in model.modules():
         hook = getattr(module, "pack_linears", None)
         if callable(hook):
             kernels += hook(make)
-    packed = sum(k.packed is not None for k in kernels)
-    logger.info("CPU linear layers: %d of %d use oneDNN packed weights for some row counts (%s, %.2f s)", packed,
-                len(kernels), mode, time.perf_counter() - t0)
-    return {"layers": len(kernels), "packed": packed}
+    packed = sum(getattr(k, "packed", None) is not None for k in kernels)
+    few = sum(getattr(k, "few_rows", None) is not None for k in kernels)
+    logger.info("CPU linear layers: %d of %d use oneDNN packed weights for some row counts, %d the few-row kernel "
+                "for up to %d rows (%s, %.2f s)", packed, len(kernels), few, cpu_kernels.MAX_ROWS, mode,
+                time.perf_counter() - t0)
+    return {"layers": len(kernels), "packed": packed, "few_rows": few}

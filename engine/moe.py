@@ -13,7 +13,10 @@ On CPU (:mod:`engine.cpu_linear`) the experts may also run one by one through on
 Which path is faster depends on the step's size: measured on one host (AMD EPYC, 2 threads, float32, 16 experts
 top-2, 512 x 256), the packed path won a decode step and the grouped GEMM a 256-token prefill chunk by about 2x. So
 both are timed at load, per step size, on the layer's own shapes with random routing
-(:meth:`SparseMoe.pack_linears`), and each step takes the faster one for its token count.
+(:meth:`SparseMoe.pack_linears`), and each step takes the faster one for its token count. For steps of at most
+``cpu_kernels.MAX_ROWS`` tokens a third path competes: the compiled kernel of :mod:`engine.cpu_kernels` that runs a
+token's experts (gate/up, SiLU, down, the weighted sum) in one call, reading each expert's weights at close to the
+core's memory bandwidth (SwiGLU, float32).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.cpu_linear import ROW_PROBES, bucket, median_seconds
 from engine.layers import ACTIVATIONS, Linear
 from engine.text_config import TextConfig
@@ -52,6 +56,9 @@ class SparseMoe(nn.Module):
         self.executor: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._packed: list[tuple[Callable, Callable]] | None = None  # per expert (gate_up, down): pack_linears
         self._packed_for: tuple[bool, ...] = ()  # per ROW_PROBES step size: the packed path runs it (pack_linears)
+        self._swiglu = cfg.hidden_act == "silu"
+        self._fused = None  # the compiled library, where its one-call path runs steps of few tokens (pack_linears)
+        self._fused_upto = 0  # ... of up to this many tokens
 
     def pack_linears(self, make) -> list:
         """CPU (:mod:`engine.cpu_linear`): give each expert packed kernels, then time the two paths -- the grouped
@@ -59,7 +66,9 @@ class SparseMoe(nn.Module):
         ``ROW_PROBES`` tokens (once per shape, dtype and thread count in a process). The packed path faster by 5%
         at every size: the [E, ...] tensors are dropped (one copy of the experts; :meth:`expert_weights` rebuilds
         them); at none: the packed copies are; in between both are kept (the experts twice in memory) and each step
-        runs the path measured faster for its token count. Mode ``"packed"``: the packed path always."""
+        runs the path measured faster for its token count. Where the compiled one-call path was measured faster at
+        few tokens (:meth:`_measure_paths`) it runs those steps and keeps the [E, ...] tensors it reads. Mode
+        ``"packed"``: the packed path always."""
         if self.executor is not None or self.gate_up_proj.shape[0] == 0:
             return []
         packed = [(make(gu, None, always=True), make(down, None, always=True))
@@ -67,33 +76,55 @@ class SparseMoe(nn.Module):
         if packed[0][0].packed is None:  # no packed kernel here (device, dtype)
             return []
         self._packed = packed
-        self._packed_for = (True,) * len(ROW_PROBES) if make.mode == "packed" else self._measure_paths()
-        if not any(self._packed_for):
+        fused = 0
+        if make.mode == "packed":
+            self._packed_for = (True,) * len(ROW_PROBES)
+        else:
+            self._packed_for, fused = self._measure_paths()
+        self._fused = cpu_kernels.library() if fused else None
+        self._fused_upto = fused
+        # the packed copies serve the step sizes the one-call path does not take (bucket 0 is every step it may take)
+        if not any(self._packed_for[1:] if fused >= cpu_kernels.MAX_ROWS else self._packed_for):
             self._packed = None
             return []
-        if all(self._packed_for):
+        if all(self._packed_for) and not fused:
             self.release_experts(keep_packed=True)
         return [k for pair in packed for k in pair]
 
-    def _measure_paths(self) -> tuple[bool, ...]:
-        """Per step size of ``ROW_PROBES`` tokens: is the packed path faster than the grouped GEMM by 5%?"""
+    def _fusable(self) -> bool:
+        """Can the compiled one-call path run this layer (SwiGLU, float32 experts on CPU, top-k it takes)?"""
+        return self._swiglu and self.top_k <= cpu_kernels.MAX_TOP_K and cpu_kernels.usable(self.gate_up_proj) \
+            and cpu_kernels.usable(self.down_proj) and cpu_kernels.library() is not None
+
+    def _measure_paths(self) -> tuple[tuple[bool, ...], int]:
+        """Per step size of ``ROW_PROBES`` tokens: is the packed path faster than the grouped GEMM by 5%? And the
+        most tokens the compiled one-call path takes: 1 or ``cpu_kernels.MAX_ROWS`` where it was faster than both
+        other paths by 5% at that many tokens (and at one), else 0."""
         e, two_i, h = self.gate_up_proj.shape
-        key = (e, two_i, h, self.top_k, self.gate_up_proj.dtype, torch.get_num_threads())
+        fusable = self._fusable()
+        key = (e, two_i, h, self.top_k, self.gate_up_proj.dtype, torch.get_num_threads(), fusable)
         if key not in _PATHS:
             gen = torch.Generator().manual_seed(0)
-            faster = []
-            for t in ROW_PROBES:
+            faster, fused = [], 0
+            for t in sorted({*ROW_PROBES, *((1, cpu_kernels.MAX_ROWS) if fusable else ())}):
                 x = torch.randn(t, h, generator=gen).to(self.gate_up_proj.dtype)
                 experts = torch.stack([torch.randperm(e, generator=gen)[:self.top_k] for _ in range(t)])
                 weights = torch.full((t, self.top_k), 1.0 / self.top_k, dtype=x.dtype)
                 counts = torch.bincount(experts.view(-1), minlength=e)
                 grouped = median_seconds(lambda: self._experts(x, weights, experts, counts, packed=False))
                 one_by_one = median_seconds(lambda: self._experts(x, weights, experts, counts, packed=True))
-                faster.append(one_by_one < 0.95 * grouped)
-            _PATHS[key] = tuple(faster)
-            logger.info("MoE %d experts x (%d, %d), top-%d: packed experts at %s tokens, grouped GEMM at %s%s", e,
+                if t in ROW_PROBES:
+                    faster.append(one_by_one < 0.95 * grouped)
+                if fusable and t in (1, cpu_kernels.MAX_ROWS) and fused == (0 if t == 1 else 1):
+                    lib = cpu_kernels.library()
+                    one_call = median_seconds(lambda: cpu_kernels.moe_silu(lib, x, self.gate_up_proj, self.down_proj,
+                                                                           experts, weights))
+                    fused = t if one_call < 0.95 * min(grouped, one_by_one) else fused
+            _PATHS[key] = (tuple(faster), fused)
+            logger.info("MoE %d experts x (%d, %d), top-%d: packed experts at %s tokens, grouped GEMM at %s%s%s", e,
                         two_i, h, self.top_k, [t for t, f in zip(ROW_PROBES, faster) if f] or "no",
                         [t for t, f in zip(ROW_PROBES, faster) if not f] or "none",
+                        f"; the compiled one-call path up to {fused} tokens" if fused else "",
                         " (both copies of the experts kept)" if any(faster) and not all(faster) else "")
         return _PATHS[key]
 
@@ -108,6 +139,7 @@ class SparseMoe(nn.Module):
         """Drop the all-resident expert tensors (an ``executor`` computes the experts elsewhere)."""
         self.gate_up_proj = nn.Parameter(self.gate_up_proj.new_empty(0, *self.gate_up_proj.shape[1:]), False)
         self.down_proj = nn.Parameter(self.down_proj.new_empty(0, *self.down_proj.shape[1:]), False)
+        self._fused = None  # it reads the plain tensors
         if not keep_packed:
             self._packed = None
 
@@ -131,6 +163,8 @@ class SparseMoe(nn.Module):
         self.expert_counts += counts
         if self.executor is not None:
             return self.executor(x, weights, experts)
+        if self._fused is not None and t <= self._fused_upto and x.dtype == torch.float32:
+            return cpu_kernels.moe_silu(self._fused, x, self.gate_up_proj, self.down_proj, experts, weights)
         packed = self._packed is not None and self._packed_for[bucket(t)]
         return self._experts(x, weights, experts, counts, packed=packed)
 

@@ -84,7 +84,7 @@ def test_packed_experts_equal_the_grouped_path_and_keep_one_copy():
     x = torch.randn(9, 24, generator=torch.Generator().manual_seed(2))
     want = moe(x)
     kernels = cpu_linear.pack_linears(moe, "packed")
-    assert kernels == {"layers": 1 + 2 * 6, "packed": 1 + 2 * 6}  # the router and each expert's two projections
+    assert kernels == {"layers": 1 + 2 * 6, "packed": 1 + 2 * 6, "few_rows": 0}  # the router and each expert's two projections
     assert moe.gate_up_proj.numel() == 0 and moe.down_proj.numel() == 0  # the plain experts are dropped
     all_gu, all_down = moe.expert_weights()
     assert torch.equal(all_gu, gu) and torch.equal(all_down, down)
@@ -111,7 +111,7 @@ def test_auto_experts_take_the_path_measured_faster_for_each_step_size(monkeypat
         return real(self, *a, packed=packed)
 
     monkeypatch.setattr(moe_mod, "_PATHS", {})
-    monkeypatch.setattr(SparseMoe, "_measure_paths", lambda self: measured)
+    monkeypatch.setattr(SparseMoe, "_measure_paths", lambda self: (measured, 0))
     cpu_linear.pack_linears(moe, "auto")
     monkeypatch.setattr(SparseMoe, "_experts", spy)
     torch.testing.assert_close(moe(x[:1]), want_one, rtol=1e-5, atol=1e-5)
@@ -135,19 +135,21 @@ def test_expert_paths_are_measured_once_per_shape(monkeypatch):
     timed = len(calls)
     b.pack_linears(make)  # the same shapes: the first one's answer
     assert timed > 0 and len(calls) == timed and len(a._packed_for) == len(cpu_linear.ROW_PROBES)
-    assert a._packed_for == b._packed_for == moe_mod._PATHS[(6, 32, 24, 2, torch.float32, torch.get_num_threads())]
+    key = (6, 32, 24, 2, torch.float32, torch.get_num_threads(), a._fusable())
+    assert (a._packed_for, a._fused_upto) == (b._packed_for, b._fused_upto) == moe_mod._PATHS[key]
 
 
 def test_native_mode_and_bad_modes():
     layer = Linear(8, 4)
-    assert cpu_linear.pack_linears(layer, "native") == {"layers": 0, "packed": 0} and layer.kernel is None
+    assert cpu_linear.pack_linears(layer, "native") == {"layers": 0, "packed": 0, "few_rows": 0} \
+        and layer.kernel is None
     with pytest.raises(ValueError, match="cpu_linear"):
         cpu_linear.pack_linears(layer, "fast")
     with pytest.raises(ValueError, match="cpu_linear"):
         EngineConfig(cpu_linear="fast")
     x = torch.randn(3, 8)
     want = layer(x)
-    assert cpu_linear.pack_linears(layer, "packed") == {"layers": 1, "packed": 1}
+    assert cpu_linear.pack_linears(layer, "packed") == {"layers": 1, "packed": 1, "few_rows": 0}
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
 

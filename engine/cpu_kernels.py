@@ -1,0 +1,155 @@
+"""The few-row CPU kernels of ``cpu_kernels.c``, compiled on the host at first use and called through ctypes.
+
+Why they exist: a decode step reads every weight once for one or a few rows, and library GEMMs at one row read
+memory at a third of what the core can (``cpu_kernels.c`` says how they differ). Whether they are faster is measured
+per weight shape at load (:mod:`engine.cpu_linear`, :mod:`engine.moe`), as for every other CPU kernel choice.
+
+Build: the system C compiler (``$CC`` or ``cc``) with ``-O3 -march=native``, so the code is vectorized for this CPU.
+The library is cached under ``$DUET_KERNEL_CACHE`` (default ``~/.cache/duet/kernels``), named by a hash of the
+source, the flags, the compiler's version and the CPU's model and flags: a host of another kind builds its own, and
+processes on one host build once (written to a temporary name, then renamed into place). No compiler, a failed
+build, or ``DUET_CPU_KERNELS=0``: :func:`library` returns None and every layer keeps the library kernels (logged once).
+
+Calls pass raw pointers of contiguous float32 tensors; the wrappers below check what the C code assumes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
+BUILD_TIMEOUT_S = 120.0
+MAX_ROWS = 4  # rows a call is meant for: beyond this the library GEMMs reuse each weight line better
+MAX_TOP_K = 64  # the MoE kernel sorts a token's slots in a fixed array of this size
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_p = ctypes.c_void_p
+_i = ctypes.c_int64
+
+
+def _cpu_signature() -> str:
+    """The CPU's model name and feature flags (Linux), else the platform's processor string."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("DUET_KERNEL_CACHE")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "duet" / "kernels"
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_signature().encode()])).hexdigest()[:20]
+    out = _cache_dir() / f"duet_cpu_kernels_{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: a process building beside this one finds either nothing or the whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on the first call in a process (None where they cannot be: see the module)."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("DUET_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+            logger.info("CPU few-row kernels off (DUET_CPU_KERNELS)")
+            return None
+        cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        if cc is None:
+            logger.warning("no C compiler found: the few-row CPU kernels are not built (library kernels only)")
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            logger.warning("the few-row CPU kernels did not build (%s): library kernels only", exc)
+            return None
+        lib.duet_linear_f32.argtypes = [_p, _i, _i, _p, _i, _p, _p]
+        lib.duet_linear_f32.restype = None
+        lib.duet_moe_silu_f32.argtypes = [_p, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p]
+        lib.duet_moe_silu_f32.restype = None
+        _lib = lib
+        return lib
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Can the kernels read ``t`` as it is (CPU, float32, contiguous)?"""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
+def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [..., K] with few rows; ``weight`` [N, K] and ``bias`` must be
+    :func:`usable` (the caller checks once, when it chooses this kernel)."""
+    k, n = weight.shape[1], weight.shape[0]
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight takes {k}")
+    x2 = x.reshape(-1, k)
+    if not usable(x2):
+        x2 = x2.contiguous().float()
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    lib.duet_linear_f32(x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n,
+                        None if bias is None else bias.data_ptr(), y.data_ptr())
+    return y.view(*x.shape[:-1], n)
+
+
+def moe_silu(lib: ctypes.CDLL, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
+             weights: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts for x [T, H] (float32): ``gate_up`` [E, 2I, H], ``down`` [E, H, I] (both
+    :func:`usable`), ``experts`` [T, k] ids < E, ``weights`` [T, k]. Each token's experts are summed in ascending id
+    order, as the grouped path sums them."""
+    t, h = x.shape
+    e, two_i, _ = gate_up.shape
+    i = two_i // 2
+    k = experts.shape[1]
+    if k > MAX_TOP_K:
+        raise ValueError(f"moe_silu: top-{k} exceeds the kernel's {MAX_TOP_K}")
+    ids = experts.to(torch.int64).contiguous()
+    flat = ids.view(-1).tolist()
+    if flat and (min(flat) < 0 or max(flat) >= e):  # the kernel indexes the weights by these: never out of range
+        raise ValueError(f"moe_silu: expert ids outside [0, {e})")
+    w = weights.to(torch.float32).contiguous()
+    xc = x.contiguous()
+    scratch = torch.empty(3 * i + h, dtype=torch.float32)
+    y = torch.empty(t, h, dtype=torch.float32)
+    lib.duet_moe_silu_f32(xc.data_ptr(), t, h, i, gate_up.data_ptr(), down.data_ptr(), ids.data_ptr(), w.data_ptr(),
+                          k, scratch.data_ptr(), y.data_ptr())
+    return y

@@ -1,0 +1,171 @@
+"""The compiled few-row CPU kernels (engine.cpu_kernels): equal to F.linear and to the MoE's grouped path to float
+rounding for every row count, shape remainder and routing; checked inputs; the build cache; the fallback when no
+library can be built; and the layers that choose them (engine.cpu_linear, engine.moe)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels, cpu_linear
+from engine.moe import SparseMoe
+from tests.engine.test_cpu_linear import _moe
+
+LIB = cpu_kernels.library()
+needs_lib = pytest.mark.skipif(LIB is None, reason="no C compiler here: the few-row kernels are not built")
+
+
+@needs_lib
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(64, 512), (37, 100), (4, 16), (3, 7), (130, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear(rows, n, k, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g)
+    got = cpu_kernels.linear(LIB, x, w, b)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    tol = 2e-6 * k ** 0.5 * 10  # sums of k unit-scale products, added in another order than the GEMM's
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=tol, atol=tol)
+    x3 = torch.randn(2, 1, k, generator=g).transpose(0, 1)  # leading dims kept; a non-contiguous input is copied
+    torch.testing.assert_close(cpu_kernels.linear(LIB, x3, w, b), F.linear(x3, w, b), rtol=tol, atol=tol)
+
+
+@needs_lib
+def test_linear_refuses_a_mismatched_input():
+    with pytest.raises(ValueError, match="features"):
+        cpu_kernels.linear(LIB, torch.randn(1, 8), torch.randn(4, 9), None)
+
+
+def _moe_reference(x, gate_up, down, experts, weights):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in sorted(range(experts.shape[1]), key=lambda j: int(experts[t, j])):
+            e = int(experts[t, j])
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += weights[t, j] * (down[e] @ (F.silu(gate) * up))
+    return out
+
+
+@needs_lib
+@pytest.mark.parametrize("tokens,top_k,h,i", [(1, 4, 64, 32), (3, 2, 40, 24), (4, 8, 33, 17), (1, 1, 16, 16)])
+def test_moe_equals_the_reference(tokens, top_k, h, i):
+    g = torch.Generator().manual_seed(tokens + top_k + h)
+    e = 12
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
+    x = torch.randn(tokens, h, generator=g)
+    experts = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    got = cpu_kernels.moe_silu(LIB, x, gate_up, down, experts, weights)
+    torch.testing.assert_close(got, _moe_reference(x, gate_up, down, experts, weights), rtol=1e-5, atol=1e-5)
+
+
+@needs_lib
+def test_moe_refuses_ids_outside_the_experts_and_too_large_a_top_k():
+    gate_up, down, x = torch.randn(4, 8, 6), torch.randn(4, 6, 4), torch.randn(1, 6)
+    for bad in (4, -1):
+        with pytest.raises(ValueError, match="expert ids"):
+            cpu_kernels.moe_silu(LIB, x, gate_up, down, torch.tensor([[0, bad]]), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="top-"):
+        cpu_kernels.moe_silu(LIB, x, gate_up, down, torch.zeros(1, cpu_kernels.MAX_TOP_K + 1, dtype=torch.long),
+                             torch.ones(1, cpu_kernels.MAX_TOP_K + 1))
+
+
+def _fresh(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+
+
+@needs_lib
+def test_the_build_is_cached_per_source_and_host(monkeypatch, tmp_path):
+    monkeypatch.setenv("DUET_KERNEL_CACHE", str(tmp_path))
+    _fresh(monkeypatch)
+    assert cpu_kernels.library() is not None
+    built = list(tmp_path.glob("duet_cpu_kernels_*.so"))
+    assert len(built) == 1 and not [p for p in tmp_path.iterdir() if p not in built]  # no temporary left behind
+    stamp = built[0].stat().st_mtime_ns
+    _fresh(monkeypatch)
+    calls = []
+    real_run = cpu_kernels.subprocess.run
+    monkeypatch.setattr(cpu_kernels.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or real_run(cmd, **kw))
+    assert cpu_kernels.library() is not None
+    assert built[0].stat().st_mtime_ns == stamp and all("--version" in c for c in calls)  # not compiled again
+
+
+def test_no_library_when_off_or_unbuildable(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("DUET_KERNEL_CACHE", str(tmp_path))
+    _fresh(monkeypatch)
+    monkeypatch.setenv("DUET_CPU_KERNELS", "0")
+    assert cpu_kernels.library() is None
+    _fresh(monkeypatch)
+    monkeypatch.delenv("DUET_CPU_KERNELS")
+    bad = tmp_path / "badcc"
+    bad.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo bad 1.0 && exit 0\necho 'no such flag' >&2\nexit 1\n")
+    bad.chmod(0o755)
+    monkeypatch.setenv("CC", str(bad))
+    with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+        assert cpu_kernels.library() is None
+    assert "did not build" in caplog.text and "no such flag" in caplog.text
+    assert not list(tmp_path.glob("*.so"))  # nothing half-written is left to load later
+    # the layers then keep the library kernels: no few-row range is chosen
+    assert cpu_linear.few_rows_upto(torch.randn(8, 16), None) == 0
+    assert cpu_linear.LinearKernel(torch.randn(8, 16), None, (False,) * 3, few_rows=4).few_rows_upto == 0
+
+
+@needs_lib
+def test_a_linear_kernel_runs_the_few_row_kernel_up_to_its_measured_rows(monkeypatch):
+    w, b = torch.randn(24, 40), torch.randn(24)
+    kernel = cpu_linear.LinearKernel(w, b, (False, False, True), few_rows=2)
+    seen = []
+    real = cpu_kernels.linear
+    monkeypatch.setattr(cpu_kernels, "linear", lambda lib, x, *a: seen.append(x.shape[0]) or real(lib, x, *a))
+    for rows in (1, 2, 3, 300):
+        x = torch.randn(rows, 40)
+        torch.testing.assert_close(kernel(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert seen == [1, 2]
+    assert kernel(torch.randn(1, 40, dtype=torch.bfloat16).float()).shape == (1, 24)
+    upto = cpu_linear.few_rows_upto(w, b)
+    assert upto in (0, *cpu_linear.FEW_ROW_PROBES)  # measured: which one depends on the host
+    times = cpu_linear.few_row_timings(w, b)
+    assert len(times) == len(cpu_linear.FEW_ROW_PROBES) and all(lib > 0 and few > 0 for lib, few in times)
+
+
+@needs_lib
+@pytest.mark.parametrize("upto", [1, 4])
+def test_moe_one_call_path_equals_the_grouped_path(monkeypatch, upto):
+    from engine import moe as moe_mod
+
+    moe = _moe()
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(4))
+    want = [moe(x[:t]) for t in range(1, 7)]
+    monkeypatch.setattr(moe_mod, "_PATHS", {})
+    monkeypatch.setattr(SparseMoe, "_measure_paths", lambda self: ((False, False, False), upto))
+    cpu_linear.pack_linears(moe, "auto")
+    assert moe._fused is not None and moe._fused_upto == upto and moe.gate_up_proj.numel() > 0
+    calls = []
+    real = cpu_kernels.moe_silu
+    monkeypatch.setattr(cpu_kernels, "moe_silu", lambda lib, xs, *a: calls.append(xs.shape[0]) or real(lib, xs, *a))
+    for t in range(1, 7):
+        torch.testing.assert_close(moe(x[:t]), want[t - 1], rtol=1e-5, atol=1e-5)
+    assert calls == list(range(1, upto + 1))
+    moe.release_experts()  # an expert-parallel group takes the experts: the one-call path must not read them
+    assert moe._fused is None
+
+
+@needs_lib
+def test_moe_measures_the_one_call_path_on_its_own_shapes(monkeypatch):
+    from engine import moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "_PATHS", {})
+    moe = _moe()
+    x = torch.randn(3, 24, generator=torch.Generator().manual_seed(5))
+    want = moe(x)
+    moe.pack_linears(cpu_linear.make_kernel("auto"))
+    (key, (packed_for, upto)), = moe_mod._PATHS.items()
+    assert key[-1] is True and len(packed_for) == len(cpu_linear.ROW_PROBES) and upto in (0, 1, cpu_kernels.MAX_ROWS)
+    assert moe._fused_upto == upto and (moe._fused is not None) == (upto > 0)  # which one depends on the host
+    torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-5)
