@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels
+import engine.cpu_kernels as cpu_kernels
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels
+import engine.cpu_kernels as cpu_kernels
 from engine.cpu_linear import ROW_PROBES, bucket, median_seconds
 from engine.layers import ACTIVATIONS, Linear
 from engine.text_config import TextConfig
