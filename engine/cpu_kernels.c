@@ -10,6 +10,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define VW 16 /* floats per vector: 64 bytes, one cache line */
 #define NB 4  /* weight rows per block (BLOCK names four) */
@@ -93,42 +96,89 @@ static void gemv(const float *x, int64_t rows, int64_t K, const float *w, int64_
         }
 }
 
-/* y [rows, N] = x [rows, K] @ w[N, K]^T (+ bias [N]); every array contiguous float32. */
+/* y [rows, N] = x [rows, K] @ w[N, K]^T (+ bias [N]); every array contiguous float32. Built with OpenMP (the runtime
+   torch itself loaded, so the same threads), a weight of at least PAR_MIN floats is split into one contiguous range
+   of blocks per thread of the caller's OpenMP thread count (torch.set_num_threads on that thread). */
+#define PAR_MIN (1 << 16)
 void duet_linear_f32(const float *x, int64_t rows, int64_t K, const float *w, int64_t N, const float *bias,
                      float *y) {
+#ifdef _OPENMP
+    const int threads = omp_get_max_threads();
+    if (threads > 1 && N * K >= PAR_MIN && N >= 2 * NB) {
+        const int64_t blocks = N / NB;
+#pragma omp parallel num_threads(threads)
+        {
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t b0 = blocks * t / nt, b1 = t == nt - 1 ? -1 : blocks * (t + 1) / nt;
+            const int64_t n0 = b0 * NB, n1 = b1 < 0 ? N : b1 * NB; /* the last thread takes the remainder rows */
+            gemv(x, rows, K, w + n0 * K, n1 - n0, bias ? bias + n0 : NULL, y + n0, N, NULL);
+        }
+        return;
+    }
+#endif
     gemv(x, rows, K, w, N, bias, y, N, NULL);
 }
 
 /* A SwiGLU MoE layer's routed experts for T tokens, each with k (expert id, weight) pairs:
    y[t] = sum over its experts e in ascending id order of weight * down[e] @ (silu(g) * u), [g; u] = gate_up[e] @ x[t].
-   gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I], as checkpoints store them; ids [T, k] int64,
-   weights [T, k] float32; scratch: 3 I + H floats. */
-void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, const float *gate_up, const float *down,
-                       const int64_t *ids, const float *weights, int64_t k, float *scratch, float *y) {
-    float *gu = scratch, *h = scratch + 2 * I, *out = scratch + 3 * I;
+   gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I], as checkpoints store them; ids [T, k] int64 in
+   [0, E) (the caller checks), weights [T, k] float32. The pairs are grouped by expert (a counting sort, stable in
+   token order) and each expert with tokens runs once over all its rows, so its weights are read once per step; the
+   next expert's first block is prefetched while one finishes. With OpenMP the experts are shared among the caller's
+   threads (each writes only its experts' rows of the scratch), then each token sums its rows in expert order, so the
+   result does not depend on the thread count. fscratch: T k (2 H + 3 I) floats; iscratch: 2 E + 2 T k. */
+void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, const float *gate_up,
+                       const float *down, const int64_t *ids, const float *weights, int64_t k, float *fscratch,
+                       int64_t *iscratch, float *y) {
+    const int64_t P = T * k;
+    float *xs = fscratch, *gu = xs + P * H, *h = gu + P * 2 * I, *out = h + P * I;
+    int64_t *start = iscratch, *active = iscratch + E, *pairs = active + E, *pos = pairs + P;
+    for (int64_t e = 0; e < E; e++) start[e] = 0;
+    for (int64_t p = 0; p < P; p++) start[ids[p]]++;
+    int64_t na = 0;
+    for (int64_t e = 0, acc = 0; e < E; e++) {
+        const int64_t c = start[e];
+        if (c) active[na++] = e;
+        start[e] = acc;
+        acc += c;
+    }
+    for (int64_t p = 0; p < P; p++) { pos[p] = start[ids[p]]; pairs[start[ids[p]]++] = p; } /* start[e]: e's end */
+#ifdef _OPENMP
+    const int threads = na > 1 ? omp_get_max_threads() : 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+#endif
+    for (int64_t a = 0; a < na; a++) {
+        const int64_t e = active[a], end = start[e], begin = e ? start[e - 1] : 0, m = end - begin;
+        const int64_t *pe = pairs + begin;
+        const float *wgu = gate_up + e * 2 * I * H, *wd = down + e * H * I;
+        const float *after = a + 1 < na ? gate_up + active[a + 1] * 2 * I * H : NULL;
+        float *xe = xs + begin * H, *ge = gu + begin * 2 * I, *he = h + begin * I, *oe = out + begin * H;
+        for (int64_t r = 0; r < m; r++) memcpy(xe + r * H, x + (pe[r] / k) * H, H * sizeof(float));
+        gemv(xe, m, H, wgu, 2 * I, NULL, ge, 2 * I, wd);
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t c = 0; c < I; c++) {
+                const float g = ge[r * 2 * I + c];
+                he[r * I + c] = g / (1.f + expf(-g)) * ge[r * 2 * I + I + c];
+            }
+        gemv(he, m, I, wd, H, NULL, oe, H, after);
+    }
+    /* a token's rows lie in ascending expert order in the sorted scratch: sum them in that order */
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T > 1)
+#endif
     for (int64_t t = 0; t < T; t++) {
-        const int64_t *id = ids + t * k;
         int64_t order[64];
         const int64_t kk = k < 64 ? k : 64;
-        for (int64_t j = 0; j < kk; j++) { /* insertion sort of the slots by expert id */
-            int64_t m = j;
-            while (m > 0 && id[order[m - 1]] > id[j]) { order[m] = order[m - 1]; m--; }
-            order[m] = j;
+        for (int64_t j = 0; j < kk; j++) { /* the token's pairs by position (= by expert id) */
+            int64_t q = j;
+            while (q > 0 && pos[t * k + order[q - 1]] > pos[t * k + j]) { order[q] = order[q - 1]; q--; }
+            order[q] = j;
         }
         float *yt = y + t * H;
         for (int64_t c = 0; c < H; c++) yt[c] = 0.f;
         for (int64_t j = 0; j < kk; j++) {
-            const int64_t e = id[order[j]];
-            const float *wgu = gate_up + e * 2 * I * H, *wd = down + e * H * I;
-            const float *next = j + 1 < kk ? gate_up + id[order[j + 1]] * 2 * I * H : NULL;
-            gemv(x + t * H, 1, H, wgu, 2 * I, NULL, gu, 2 * I, wd);
-            for (int64_t c = 0; c < I; c++) {
-                const float g = gu[c];
-                h[c] = g / (1.f + expf(-g)) * gu[I + c];
-            }
-            gemv(h, 1, I, wd, H, NULL, out, H, next);
-            const float wj = weights[t * k + order[j]];
-            for (int64_t c = 0; c < H; c++) yt[c] += out[c] * wj;
+            const float *o = out + pos[t * k + order[j]] * H, w = weights[t * k + order[j]];
+            for (int64_t c = 0; c < H; c++) yt[c] += o[c] * w;
         }
     }
 }

@@ -32,9 +32,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
+OPENMP = ("-fopenmp",)  # tried first: libgomp's soname is the one torch loaded, so the kernels share its threads
 BUILD_TIMEOUT_S = 120.0
 MAX_ROWS = 4  # rows a call is meant for: beyond this the library GEMMs reuse each weight line better
-MAX_TOP_K = 64  # the MoE kernel sorts a token's slots in a fixed array of this size
+MAX_TOP_K = 64  # top-k the MoE kernel is offered for (routers use 1-10)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -61,10 +62,10 @@ def _cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "duet" / "kernels"
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:20]
     out = _cache_dir() / f"duet_cpu_kernels_{key}.so"
     if out.exists():
@@ -73,7 +74,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
@@ -98,14 +99,19 @@ def library() -> ctypes.CDLL | None:
         if cc is None:
             logger.warning("no C compiler found: the few-row CPU kernels are not built (library kernels only)")
             return None
-        try:
-            lib = ctypes.CDLL(str(_build(cc)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            logger.warning("the few-row CPU kernels did not build (%s): library kernels only", exc)
+        lib, errors = None, []
+        for flags in ((*FLAGS, *OPENMP), FLAGS):  # without OpenMP where it does not build or load: one thread
+            try:
+                lib = ctypes.CDLL(str(_build(cc, flags)))
+                break
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                errors.append(str(exc))
+        if lib is None:
+            logger.warning("the few-row CPU kernels did not build (%s): library kernels only", "; ".join(errors))
             return None
         lib.duet_linear_f32.argtypes = [_p, _i, _i, _p, _i, _p, _p]
         lib.duet_linear_f32.restype = None
-        lib.duet_moe_silu_f32.argtypes = [_p, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p]
+        lib.duet_moe_silu_f32.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p, _p]
         lib.duet_moe_silu_f32.restype = None
         _lib = lib
         return lib
@@ -134,8 +140,8 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.
 def moe_silu(lib: ctypes.CDLL, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
              weights: torch.Tensor) -> torch.Tensor:
     """Routed SwiGLU experts for x [T, H] (float32): ``gate_up`` [E, 2I, H], ``down`` [E, H, I] (both
-    :func:`usable`), ``experts`` [T, k] ids < E, ``weights`` [T, k]. Each token's experts are summed in ascending id
-    order, as the grouped path sums them."""
+    :func:`usable`), ``experts`` [T, k] ids < E, ``weights`` [T, k]. Each expert with tokens runs once over all of
+    them; each token's experts are summed in ascending id order, as the grouped path sums them."""
     t, h = x.shape
     e, two_i, _ = gate_up.shape
     i = two_i // 2
@@ -148,8 +154,9 @@ def moe_silu(lib: ctypes.CDLL, x: torch.Tensor, gate_up: torch.Tensor, down: tor
         raise ValueError(f"moe_silu: expert ids outside [0, {e})")
     w = weights.to(torch.float32).contiguous()
     xc = x.contiguous()
-    scratch = torch.empty(3 * i + h, dtype=torch.float32)
+    fscratch = torch.empty(t * k * (2 * h + 3 * i), dtype=torch.float32)
+    iscratch = torch.empty(2 * e + 2 * t * k, dtype=torch.int64)
     y = torch.empty(t, h, dtype=torch.float32)
-    lib.duet_moe_silu_f32(xc.data_ptr(), t, h, i, gate_up.data_ptr(), down.data_ptr(), ids.data_ptr(), w.data_ptr(),
-                          k, scratch.data_ptr(), y.data_ptr())
+    lib.duet_moe_silu_f32(xc.data_ptr(), t, h, i, e, gate_up.data_ptr(), down.data_ptr(), ids.data_ptr(),
+                          w.data_ptr(), k, fscratch.data_ptr(), iscratch.data_ptr(), y.data_ptr())
     return y

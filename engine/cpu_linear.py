@@ -55,11 +55,12 @@ def available() -> bool:
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+BUCKET_UPPER = (4, 64, math.inf)  # the most rows each probe of ROW_PROBES judges (bucket)
+
+
 def bucket(rows: int) -> int:
     """The probe a row count is judged by: the nearest of :data:`ROW_PROBES` on a log scale."""
-    if rows <= 4:
-        return 0
-    return 1 if rows <= 64 else 2
+    return next(i for i, upper in enumerate(BUCKET_UPPER) if rows <= upper)
 
 
 class LinearKernel:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import engine.cpu_kernels as cpu_kernels
-from engine.cpu_linear import ROW_PROBES, bucket, median_seconds
+from engine.cpu_linear import BUCKET_UPPER, ROW_PROBES, bucket, median_seconds
 from engine.layers import ACTIVATIONS, Linear
 from engine.text_config import TextConfig
 
@@ -83,8 +83,8 @@ class SparseMoe(nn.Module):
             self._packed_for, fused = self._measure_paths()
         self._fused = cpu_kernels.library() if fused else None
         self._fused_upto = fused
-        # the packed copies serve the step sizes the one-call path does not take (bucket 0 is every step it may take)
-        if not any(self._packed_for[1:] if fused >= cpu_kernels.MAX_ROWS else self._packed_for):
+        # the packed copies serve only the step sizes the one-call path does not take
+        if not any(p and fused < upper for p, upper in zip(self._packed_for, BUCKET_UPPER)):
             self._packed = None
             return []
         if all(self._packed_for) and not fused:
@@ -98,15 +98,15 @@ class SparseMoe(nn.Module):
 
     def _measure_paths(self) -> tuple[tuple[bool, ...], int]:
         """Per step size of ``ROW_PROBES`` tokens: is the packed path faster than the grouped GEMM by 5%? And the
-        most tokens the compiled one-call path takes: 1 or ``cpu_kernels.MAX_ROWS`` where it was faster than both
-        other paths by 5% at that many tokens (and at one), else 0."""
+        most tokens the compiled one-call path takes: the largest of :data:`FUSED_PROBES` at which it, and at every
+        smaller probe, was faster than both others by 5%."""
         e, two_i, h = self.gate_up_proj.shape
         fusable = self._fusable()
         key = (e, two_i, h, self.top_k, self.gate_up_proj.dtype, torch.get_num_threads(), fusable)
         if key not in _PATHS:
             gen = torch.Generator().manual_seed(0)
-            faster, fused = [], 0
-            for t in sorted({*ROW_PROBES, *((1, cpu_kernels.MAX_ROWS) if fusable else ())}):
+            faster, fused, last = [], 0, 0
+            for t in sorted({*ROW_PROBES, *(FUSED_PROBES if fusable else ())}):
                 x = torch.randn(t, h, generator=gen).to(self.gate_up_proj.dtype)
                 experts = torch.stack([torch.randperm(e, generator=gen)[:self.top_k] for _ in range(t)])
                 weights = torch.full((t, self.top_k), 1.0 / self.top_k, dtype=x.dtype)
@@ -115,11 +115,12 @@ class SparseMoe(nn.Module):
                 one_by_one = median_seconds(lambda: self._experts(x, weights, experts, counts, packed=True))
                 if t in ROW_PROBES:
                     faster.append(one_by_one < 0.95 * grouped)
-                if fusable and t in (1, cpu_kernels.MAX_ROWS) and fused == (0 if t == 1 else 1):
+                if fusable and fused == last:  # it won at every smaller probe
                     lib = cpu_kernels.library()
                     one_call = median_seconds(lambda: cpu_kernels.moe_silu(lib, x, self.gate_up_proj, self.down_proj,
                                                                            experts, weights))
                     fused = t if one_call < 0.95 * min(grouped, one_by_one) else fused
+                last = t
             _PATHS[key] = (tuple(faster), fused)
             logger.info("MoE %d experts x (%d, %d), top-%d: packed experts at %s tokens, grouped GEMM at %s%s%s", e,
                         two_i, h, self.top_k, [t for t, f in zip(ROW_PROBES, faster) if f] or "no",
@@ -238,7 +239,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-_PATHS: dict[tuple, tuple[bool, ...]] = {}  # (E, 2I, H, k, dtype, threads) -> SparseMoe._measure_paths' answer
+FUSED_PROBES = (1, 4, 16, 32, 64, 256)  # step sizes the one-call path is timed at (it stops at the first it loses)
+_PATHS: dict[tuple, tuple[tuple[bool, ...], int]] = {}  # (E, 2I, H, k, dtype, threads) -> SparseMoe._measure_paths' answer
 
 
 class DenseMlp(nn.Module):
