@@ -41,7 +41,10 @@ logger = logging.getLogger(__name__)
 MODES = ("auto", "packed", "native")
 ROW_PROBES = (1, 16, 256)  # a decode step, a small mixed batch, a prefill chunk
 _DTYPES = (torch.float32, torch.bfloat16)
-_COLD_BYTES = 32 << 20  # the probes cycle through copies of a weight this large in all (beyond the caches)
+_COLD_BYTES = 96 << 20  # the probes cycle through copies of a weight this large in all (beyond the caches: a
+# 32 MiB L3 holding every copy made the probes read small weights from cache, unlike a step, and hid the few-row
+# kernel's advantage, which is reading memory)
+_MAX_COPIES = 64
 _PROBE_BUDGET_S = 0.02  # per kernel per probe: repetitions are cut to fit (a large LM head runs once or twice)
 _timings: dict[tuple, tuple[tuple[float, float], ...]] = {}  # (N, K, dtype, bias, threads) -> per probe (F.linear s,
 # packed s), measured once per process
@@ -185,7 +188,8 @@ def few_rows_upto(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
 def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     """Several copies of ``weight``, used in turn, so that a small weight is read from memory as in a step (a layer's
     weights are evicted by the other layers' before they come round again), not from a cache the probe keeps warm."""
-    return [weight.detach().contiguous().clone() for _ in range(max(1, min(16, -(-_COLD_BYTES // _nbytes(weight)))))]
+    n = max(1, min(_MAX_COPIES, -(-_COLD_BYTES // _nbytes(weight))))
+    return [weight.detach().contiguous().clone() for _ in range(n)]
 
 
 def _nbytes(t: torch.Tensor) -> int:
