@@ -38,6 +38,7 @@ from duet_bench.engine_workload import (
     usable_token_ids,
     warm_up_workloads,
 )
+from duet_bench.machine import cpu_description
 
 PEER_TIMEOUT_S = 1800.0
 
@@ -186,6 +187,7 @@ def run_side_by_side(args, model_dir: Path) -> int:
                       "scenarios": cases, "rounds": args.rounds, "duet": {"max_num_seqs": MAX_NUM_SEQS}},
            "peer": {"name": args.peer_name, "command": args.peer_cmd, "workloads": str(wdir)},
            "rounds": rounds, "side_by_side": summary, "torch_threads": torch.get_num_threads(),
+           "cpu": cpu_description(), "duet_kernels": llm.engine.model.linear_kernels,
            "load_average": os.getloadavg(),
            "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     path = write_json(args.json, doc)

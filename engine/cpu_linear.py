@@ -17,7 +17,8 @@ weights: a 768 x 512 projection at one row 154 us with ``F.linear``, 121 us pack
 largest probe at which it, and every smaller probe, was faster than both by 5%.
 
 Modes (``EngineConfig.cpu_linear``): ``"auto"`` (measure, the default), ``"packed"`` (always the packed kernel: for
-tests), ``"native"`` (never; nor the few-row kernel). Off CPU, for float16, or where this torch build lacks the oneDNN ops, every layer keeps
+tests), ``"native"`` (never; nor the few-row kernel). Off CPU, for float16, or where this torch build lacks the
+oneDNN ops, every layer keeps
 ``F.linear``. Memory: a packed copy of every packed weight is kept beside the original (the original serves tied
 embeddings, checkpoint export and the native row ranges).
 """
@@ -236,7 +237,7 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> dict[str, int]:
     with any packed row range; few_rows: one whose calls of few rows run the compiled kernel)."""
     make = make_kernel(mode)
     if make is None:
-        return {"layers": 0, "packed": 0, "few_rows": 0}
+        return {"layers": 0, "packed": 0, "few_rows": 0, "moe_one_call_upto": []}
     t0 = time.perf_counter()
     kernels: list[LinearKernel] = []
     for module in model.modules():
@@ -245,7 +246,8 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> dict[str, int]:
             kernels += hook(make)
     packed = sum(getattr(k, "packed", None) is not None for k in kernels)
     few = sum(getattr(k, "few_rows", None) is not None for k in kernels)
+    one_call = [m.one_call_upto for m in model.modules() if hasattr(m, "one_call_upto")]
     logger.info("CPU linear layers: %d of %d use oneDNN packed weights for some row counts, %d the few-row kernel "
-                "for up to %d rows (%s, %.2f s)", packed, len(kernels), few, cpu_kernels.MAX_ROWS, mode,
-                time.perf_counter() - t0)
-    return {"layers": len(kernels), "packed": packed, "few_rows": few}
+                "for up to %d rows; MoE one-call path up to %s tokens (%s, %.2f s)", packed, len(kernels), few,
+                cpu_kernels.MAX_ROWS, sorted(set(one_call)) or "-", mode, time.perf_counter() - t0)
+    return {"layers": len(kernels), "packed": packed, "few_rows": few, "moe_one_call_upto": one_call}

@@ -33,7 +33,8 @@ class LlavaModel(nn.Module):
         if cfg.vision is not None:
             self.vision = model_family(cfg.model_type).build_vision(cfg)
         self.text: TextModel = model_family(cfg.text.model_type, text=True).build_text(cfg.text)
-        self.linear_kernels = {"layers": 0, "packed": 0}  # set at load on CPU (engine.cpu_linear)
+        self.linear_kernels = {"layers": 0, "packed": 0, "few_rows": 0, "moe_one_call_upto": []}  # set at load on
+        # CPU (engine.cpu_linear.pack_linears)
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,

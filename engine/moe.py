@@ -91,6 +91,11 @@ class SparseMoe(nn.Module):
             self.release_experts(keep_packed=True)
         return [k for pair in packed for k in pair]
 
+    @property
+    def one_call_upto(self) -> int:
+        """The most tokens a step may have for the compiled one-call path to run it (0: never)."""
+        return self._fused_upto if self._fused is not None else 0
+
     def _fusable(self) -> bool:
         """Can the compiled one-call path run this layer (SwiGLU, float32 experts on CPU, top-k it takes)?"""
         return self._swiglu and self.top_k <= cpu_kernels.MAX_TOP_K and cpu_kernels.usable(self.gate_up_proj) \
@@ -240,7 +245,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 FUSED_PROBES = (1, 4, 16, 32, 64, 256)  # step sizes the one-call path is timed at (it stops at the first it loses)
-_PATHS: dict[tuple, tuple[tuple[bool, ...], int]] = {}  # (E, 2I, H, k, dtype, threads) -> SparseMoe._measure_paths' answer
+# (E, 2I, H, k, dtype, threads, one-call path possible) -> SparseMoe._measure_paths' answer
+_PATHS: dict[tuple, tuple[tuple[bool, ...], int]] = {}
 
 
 class DenseMlp(nn.Module):

@@ -188,7 +188,8 @@ def test_results_do_not_depend_on_the_thread_count():
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            got.append((cpu_kernels.linear(LIB, x, w, b), cpu_kernels.moe_silu(LIB, xm, gate_up, down, experts, weights)))
+            got.append((cpu_kernels.linear(LIB, x, w, b),
+                        cpu_kernels.moe_silu(LIB, xm, gate_up, down, experts, weights)))
     finally:
         torch.set_num_threads(before)
     for lin, moe in got[1:]:

@@ -84,7 +84,8 @@ def test_packed_experts_equal_the_grouped_path_and_keep_one_copy():
     x = torch.randn(9, 24, generator=torch.Generator().manual_seed(2))
     want = moe(x)
     kernels = cpu_linear.pack_linears(moe, "packed")
-    assert kernels == {"layers": 1 + 2 * 6, "packed": 1 + 2 * 6, "few_rows": 0}  # the router and each expert's two projections
+    # the router and each expert's two projections; the MoE runs no one-call path in "packed" mode
+    assert kernels == {"layers": 1 + 2 * 6, "packed": 1 + 2 * 6, "few_rows": 0, "moe_one_call_upto": [0]}
     assert moe.gate_up_proj.numel() == 0 and moe.down_proj.numel() == 0  # the plain experts are dropped
     all_gu, all_down = moe.expert_weights()
     assert torch.equal(all_gu, gu) and torch.equal(all_down, down)
@@ -141,7 +142,8 @@ def test_expert_paths_are_measured_once_per_shape(monkeypatch):
 
 def test_native_mode_and_bad_modes():
     layer = Linear(8, 4)
-    assert cpu_linear.pack_linears(layer, "native") == {"layers": 0, "packed": 0, "few_rows": 0} \
+    assert cpu_linear.pack_linears(layer, "native") == {"layers": 0, "packed": 0, "few_rows": 0,
+                                                                "moe_one_call_upto": []} \
         and layer.kernel is None
     with pytest.raises(ValueError, match="cpu_linear"):
         cpu_linear.pack_linears(layer, "fast")
@@ -149,7 +151,8 @@ def test_native_mode_and_bad_modes():
         EngineConfig(cpu_linear="fast")
     x = torch.randn(3, 8)
     want = layer(x)
-    assert cpu_linear.pack_linears(layer, "packed") == {"layers": 1, "packed": 1, "few_rows": 0}
+    assert cpu_linear.pack_linears(layer, "packed") == {"layers": 1, "packed": 1, "few_rows": 0,
+                                                        "moe_one_call_upto": []}
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
 
