@@ -18,9 +18,8 @@ largest probe at which it, and every smaller probe, was faster than both by 5%.
 
 Modes (``EngineConfig.cpu_linear``): ``"auto"`` (measure, the default), ``"packed"`` (always the packed kernel: for
 tests), ``"native"`` (never; nor the few-row kernel). Off CPU, for float16, or where this torch build lacks the
-oneDNN ops, every layer keeps
-``F.linear``. Memory: a packed copy of every packed weight is kept beside the original (the original serves tied
-embeddings, checkpoint export and the native row ranges).
+oneDNN ops, every layer keeps ``F.linear``. Memory: a packed copy of every packed weight is kept beside the original
+(the original serves tied embeddings, checkpoint export and the native row ranges).
 """
 
 from __future__ import annotations
