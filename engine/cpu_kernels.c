@@ -182,3 +182,22 @@ void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t 
         }
     }
 }
+
+/* RMSNorm of float32 rows: y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w[r % wrows] (w: wrows x H; per-head norms pass
+   one weight row per head), the sum of squares in float32 as torch's float32 path takes it. */
+void duet_rms_norm_f32(const float *x, int64_t rows, int64_t H, const float *w, int64_t wrows, float eps, float *y) {
+    const int64_t hv = H & ~(int64_t)(VW - 1);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (rows * H >= PAR_MIN && omp_get_max_threads() > 1)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * H, *wr = w + (r % wrows) * H;
+        float *yr = y + r * H;
+        vec acc = (vec){0};
+        for (int64_t c = 0; c < hv; c += VW) { const vec v = load(xr + c); acc += v * v; }
+        float ss = hsum(acc);
+        for (int64_t c = hv; c < H; c++) ss += xr[c] * xr[c];
+        const float inv = 1.f / sqrtf(ss / (float)H + eps);
+        for (int64_t c = 0; c < H; c++) yr[c] = xr[c] * inv * wr[c];
+    }
+}

@@ -113,6 +113,8 @@ def library() -> ctypes.CDLL | None:
         lib.duet_linear_f32.restype = None
         lib.duet_moe_silu_f32.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p, _p]
         lib.duet_moe_silu_f32.restype = None
+        lib.duet_rms_norm_f32.argtypes = [_p, _i, _i, _p, _i, ctypes.c_float, _p]
+        lib.duet_rms_norm_f32.restype = None
         _lib = lib
         return lib
 
@@ -159,4 +161,16 @@ def moe_silu(lib: ctypes.CDLL, x: torch.Tensor, gate_up: torch.Tensor, down: tor
     y = torch.empty(t, h, dtype=torch.float32)
     lib.duet_moe_silu_f32(xc.data_ptr(), t, h, i, e, gate_up.data_ptr(), down.data_ptr(), ids.data_ptr(),
                           w.data_ptr(), k, fscratch.data_ptr(), iscratch.data_ptr(), y.data_ptr())
+    return y
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (H,), eps=eps) * weight`` for float32 x [..., H] (contiguous) and a contiguous float32
+    ``weight`` of shape [H] or [R, H] broadcast over x's last two dimensions (per-head norms: x [..., R, H])."""
+    h = x.shape[-1]
+    wrows = weight.numel() // h
+    if weight.shape[-1] != h or (wrows > 1 and (x.dim() < 2 or x.shape[-2] != wrows)):
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not broadcast over x {tuple(x.shape)}")
+    y = torch.empty_like(x)
+    lib.duet_rms_norm_f32(x.data_ptr(), x.numel() // h if h else 0, h, weight.data_ptr(), wrows, eps, y.data_ptr())
     return y

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import engine.cpu_kernels as cpu_kernels
+
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
@@ -49,12 +51,28 @@ class Linear(nn.Linear):
         return [self.kernel]
 
 
+def _norm_kernel():
+    """The compiled kernels for float32 RMSNorm on CPU (one fused pass where torch runs six element-wise ops: 12-20 us
+    a call at one row on AMD EPYC), or None (not built)."""
+    global _NORM_LIB
+    if _NORM_LIB is False:
+        _NORM_LIB = cpu_kernels.library()
+    return _NORM_LIB
+
+
+_NORM_LIB = False
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 and cast back before the weight multiply, as Llama/Qwen3 do.
 
     ``weight`` broadcasts against ``x`` (e.g. ``[hidden]``, or ``[heads, head_dim]`` for per-head q/k norms).
     """
     if x.dtype == torch.float32:
+        lib = _norm_kernel()
+        if lib is not None and x.is_contiguous() and cpu_kernels.usable(weight) and x.device.type == "cpu" \
+                and weight.dim() <= 2 and x.numel():
+            return cpu_kernels.rms_norm(lib, x, weight, eps)
         return F.rms_norm(x, (x.shape[-1],), eps=eps) * weight
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 

@@ -195,3 +195,18 @@ def test_results_do_not_depend_on_the_thread_count():
     for lin, moe in got[1:]:
         assert torch.equal(lin, got[0][0]) and torch.equal(moe, got[0][1])
     torch.testing.assert_close(got[0][1], _moe_reference(xm, gate_up, down, experts, weights), rtol=1e-5, atol=1e-5)
+
+
+@needs_lib
+@pytest.mark.parametrize("shape,wshape", [((1, 512), (512,)), ((7, 33), (33,)), ((5, 12, 64), (12, 64)),
+                                          ((3, 4, 2, 16), (16,)), ((300, 40), (40,))])
+def test_rms_norm_equals_torch(shape, wshape):
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    x, w = torch.randn(*shape, generator=g) * 3, torch.randn(*wshape, generator=g)
+    want = F.rms_norm(x, (shape[-1],), eps=1e-6) * w
+    torch.testing.assert_close(cpu_kernels.rms_norm(LIB, x, w, 1e-6), want, rtol=1e-5, atol=1e-5)
+    from engine.layers import rms_norm  # the model's entry point takes the kernel for float32 CPU tensors
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="broadcast"):
+        cpu_kernels.rms_norm(LIB, x, torch.randn(2, shape[-1]) if len(shape) < 3 else torch.randn(99, shape[-1]),
+                             1e-6)
