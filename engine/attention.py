@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import engine.cpu_kernels as cpu_kernels
 from engine.state_cache import StateStep
 
 
@@ -73,6 +74,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     """
     k_cache, v_cache = kv.k, kv.v
     nb, bs, kvh, d = k_cache.shape
+    dec = meta.decode
+    lib = _decode_kernel(q, k, v, kv, dec)
+    if lib is not None and not meta.prefills:  # a decode-only step: one call writes the pool and mirror, and attends
+        return cpu_kernels.decode_attention(lib, q, k, v, kv.mirror_k, kv.mirror_v, dec.slots, dec.write_pos,
+                                            dec.max_len, scale, pool=(k_cache, v_cache, meta.slot_mapping))
     k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
@@ -91,9 +97,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         out[s:e] = o.squeeze(0).transpose(0, 1)
         if span.capture is not None and meta.captured is not None:
             meta.captured[span.capture] = q[max(s, e - meta.query_window):e].clone()
-    dec = meta.decode
     if dec is not None:
         p = meta.num_prefill_tokens
+        if lib is not None:
+            out[p:] = cpu_kernels.decode_attention(lib, q[p:], k[p:], v[p:], kv.mirror_k, kv.mirror_v, dec.slots,
+                                                   dec.write_pos, dec.max_len, scale)
+            return out
         kv.mirror_k[dec.slots, :, dec.write_pos] = k[p:]
         kv.mirror_v[dec.slots, :, dec.write_pos] = v[p:]
         b = dec.slots.shape[0]
@@ -107,6 +116,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=mask, scale=scale)
         out[p:] = o.view(b, q.shape[1], d)
     return out
+
+
+def _decode_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, dec: DecodeBatch | None):
+    """The compiled kernels where the step's decode rows can go through ``decode_attention`` (float32 on CPU, no
+    per-layer bias for dropped tokens, the layouts it reads), else None (scaled_dot_product_attention)."""
+    if dec is None or dec.layer_masks is not None or q.dtype != torch.float32 or q.device.type != "cpu":
+        return None
+    d = q.shape[-1]
+    if q.stride()[1:] != (d, 1) or k.stride()[1:] != (d, 1) or v.stride()[1:] != (d, 1) \
+            or not (kv.mirror_k.is_contiguous() and kv.mirror_v.is_contiguous() and kv.k.is_contiguous()
+                    and kv.v.is_contiguous() and kv.mirror_k.dtype == torch.float32 and kv.k.dtype == torch.float32):
+        return None
+    return cpu_kernels.library()
 
 
 @dataclass

@@ -201,3 +201,194 @@ void duet_rms_norm_f32(const float *x, int64_t rows, int64_t H, const float *w, 
         for (int64_t c = 0; c < H; c++) yr[c] = xr[c] * inv * wr[c];
     }
 }
+
+/* x + r into s, then s's RMSNorm into y (the residual add before a layer's second norm, one pass for both). */
+void duet_add_rms_norm_f32(const float *x, const float *r, int64_t rows, int64_t H, const float *w, float eps,
+                           float *s, float *y) {
+    const int64_t hv = H & ~(int64_t)(VW - 1);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (rows * H >= PAR_MIN && omp_get_max_threads() > 1)
+#endif
+    for (int64_t i = 0; i < rows; i++) {
+        const float *xr = x + i * H, *rr = r + i * H;
+        float *sr = s + i * H, *yr = y + i * H;
+        vec acc = (vec){0};
+        for (int64_t c = 0; c < hv; c += VW) {
+            const vec v = load(xr + c) + load(rr + c);
+            memcpy(sr + c, &v, sizeof v);
+            acc += v * v;
+        }
+        float ss = hsum(acc);
+        for (int64_t c = hv; c < H; c++) { sr[c] = xr[c] + rr[c]; ss += sr[c] * sr[c]; }
+        const float inv = 1.f / sqrtf(ss / (float)H + eps);
+        for (int64_t c = 0; c < H; c++) yr[c] = sr[c] * inv * w[c];
+    }
+}
+
+/* In place on x [T, R, D]: each head row's RMSNorm (weight w [R, D], or none when w is NULL), then rotary:
+   x * cos + roll(x, D / 2) * sin_signed, with cos and sin_signed [T, D] (the first half of sin negated, so that
+   rotate_half is a roll). D even. */
+static void norm_rope(float *x, int64_t T, int64_t ldx, int64_t R, int64_t D, const float *w, float eps,
+                      const float *cos_t, const float *sin_t) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *ct = cos_t + t * D, *st = sin_t + t * D;
+        for (int64_t r = 0; r < R; r++) {
+            float *xr = x + t * ldx + r * D;
+            float tmp[D];
+            if (w) {
+                float ss = 0.f;
+                for (int64_t c = 0; c < D; c++) ss += xr[c] * xr[c];
+                const float inv = 1.f / sqrtf(ss / (float)D + eps);
+                const float *wr = w + r * D;
+                for (int64_t c = 0; c < D; c++) tmp[c] = xr[c] * inv * wr[c];
+            } else {
+                memcpy(tmp, xr, D * sizeof(float));
+            }
+            for (int64_t c = 0; c < half; c++) xr[c] = tmp[c] * ct[c] + tmp[c + half] * st[c];
+            for (int64_t c = half; c < D; c++) xr[c] = tmp[c] * ct[c] + tmp[c - half] * st[c];
+        }
+    }
+}
+
+void duet_norm_rope_f32(float *x, int64_t T, int64_t R, int64_t D, const float *w, float eps, const float *cos_t,
+                        const float *sin_t) {
+    norm_rope(x, T, R * D, R, D, w, eps, cos_t, sin_t);
+}
+
+/* Decode attention, one query token per sequence. For each b < B: its keys and values k_new[b], v_new[b]
+   [KVH, D] (rows ldk / ldv floats apart) are written at position pos[b] of mirror row slots[b] (mirror_k / mirror_v [S, KVH, cap, D]) and, when
+   pool_k is not NULL, at pool slot pool_slots[b] of the paged pool (pool_k / pool_v [*, KVH, D]); then each query
+   head h of q [B, H, D] (rows ldq floats apart) attends over that row's positions 0..pos[b] (its KV head is h / (H / KVH)), softmax in
+   float32 with the running max subtracted. out [B, H, D]. scratch: B * H * lds floats (the scores; lds >= every
+   pos[b] + 1). With OpenMP
+   the (sequence, KV head) pairs are shared among the threads when the step reads enough keys to pay for it. */
+void duet_decode_attention_f32(const float *q, int64_t ldq, const float *k_new, int64_t ldk, const float *v_new,
+                               int64_t ldv, float *mirror_k, float *mirror_v, const int64_t *slots,
+                               const int64_t *pos, float *pool_k, float *pool_v, const int64_t *pool_slots, int64_t B,
+                               int64_t H, int64_t KVH, int64_t D, int64_t cap, float scale, float *scratch,
+                               int64_t lds, float *out) {
+    const int64_t G = H / KVH, dv = D & ~(int64_t)(VW - 1);
+    int64_t keys = 0;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t j = 0; j < KVH; j++) {
+            const int64_t m = ((slots[b] * KVH + j) * cap + pos[b]) * D;
+            memcpy(mirror_k + m, k_new + b * ldk + j * D, D * sizeof(float));
+            memcpy(mirror_v + m, v_new + b * ldv + j * D, D * sizeof(float));
+        }
+        if (pool_k) {
+            memcpy(pool_k + pool_slots[b] * KVH * D, k_new + b * ldk, KVH * D * sizeof(float));
+            memcpy(pool_v + pool_slots[b] * KVH * D, v_new + b * ldv, KVH * D * sizeof(float));
+        }
+        keys += pos[b] + 1;
+    }
+#ifdef _OPENMP
+    const int par = B * KVH > 1 && keys * KVH * D >= PAR_MIN && omp_get_max_threads() > 1;
+#pragma omp parallel for schedule(dynamic, 1) if (par)
+#endif
+    for (int64_t bj = 0; bj < B * KVH; bj++) {
+        const int64_t b = bj / KVH, j = bj % KVH, L = pos[b] + 1;
+        const float *kb = mirror_k + (slots[b] * KVH + j) * cap * D, *vb = mirror_v + (slots[b] * KVH + j) * cap * D;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t h = j * G + g;
+            const float *qh = q + b * ldq + h * D;
+            float *sc = scratch + (b * H + h) * lds, *oh = out + (b * H + h) * D;
+            float mx = -INFINITY;
+            for (int64_t i = 0; i < L; i++) {
+                const float *ki = kb + i * D;
+                vec acc = (vec){0};
+                for (int64_t c = 0; c < dv; c += VW) acc += load(qh + c) * load(ki + c);
+                float s = hsum(acc);
+                for (int64_t c = dv; c < D; c++) s += qh[c] * ki[c];
+                s *= scale;
+                sc[i] = s;
+                if (s > mx) mx = s;
+            }
+            float sum = 0.f;
+            for (int64_t i = 0; i < L; i++) { sc[i] = expf(sc[i] - mx); sum += sc[i]; }
+            const float inv = 1.f / sum;
+            for (int64_t c = 0; c < D; c++) oh[c] = 0.f;
+            for (int64_t i = 0; i < L; i++) {
+                const float p = sc[i] * inv, *vi = vb + i * D;
+                for (int64_t c = 0; c < D; c++) oh[c] += p * vi[c];
+            }
+        }
+    }
+}
+
+/* A MoE router for T tokens: logits = x [T, H] @ gate [E, H]^T, softmax in float32, the k largest (ties to the
+   lower id, in descending order) into ids [T, k] and their probabilities into weights [T, k], renormalized to sum
+   to one when norm; counts [E] += each expert's picks. logits: T * E floats of scratch. */
+#define TAKEN (-1.f) /* below every probability */
+void duet_moe_route_f32(const float *x, int64_t T, int64_t H, const float *gate, int64_t E, int64_t k, int norm,
+                        float *logits, float *weights, int64_t *ids, int64_t *counts) {
+    duet_linear_f32(x, T, H, gate, E, NULL, logits);
+    for (int64_t t = 0; t < T; t++) {
+        float *l = logits + t * E;
+        float mx = -INFINITY;
+        for (int64_t e = 0; e < E; e++) if (l[e] > mx) mx = l[e];
+        float z = 0.f;
+        for (int64_t e = 0; e < E; e++) { l[e] = expf(l[e] - mx); z += l[e]; }
+        for (int64_t e = 0; e < E; e++) l[e] /= z;
+        float picked = 0.f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1; /* the first id not taken, then any larger (a NaN never is: the id stays valid) */
+            for (int64_t e = 0; e < E; e++)
+                if (l[e] != TAKEN && (best < 0 || l[e] > l[best])) best = e;
+            ids[t * k + j] = best;
+            weights[t * k + j] = l[best];
+            picked += l[best];
+            l[best] = TAKEN;
+            counts[best]++;
+        }
+        if (norm)
+            for (int64_t j = 0; j < k; j++) weights[t * k + j] /= picked;
+    }
+}
+
+/* One decoder layer (pre-norm attention, then a SwiGLU MLP or routed experts) for a decode step of B sequences, one
+   token each, in one call: the step's per-op overhead at a few rows is larger than the layer's arithmetic.
+     h = rmsnorm(x) ln1; [q k v] = h Wqkv^T (+ bqkv); q, k per-head norm (qk_norm, may be NULL) and rotary;
+     k, v into the mirror (and the paged pool); attention as duet_decode_attention_f32; x2 = x + attn Wo^T (+ bo);
+     y = x2 + mlp(rmsnorm(x2) ln2), where mlp is E routed experts (top-k of softmax(h2 gate^T), renormalized when
+     norm_topk; counts += picks) or, E = 0, one SwiGLU MLP (gate_up [2I, H], down [H, I]).
+   Each stage is the standalone kernel above, so results equal the layer run stage by stage through them.
+   fs: float scratch of duet_decode_layer_scratch(...) floats; is: int64 scratch of 2 max(E, 1) + 3 B k' (k' = k,
+   or 1 when E = 0). */
+int64_t duet_decode_layer_scratch(int64_t B, int64_t H, int64_t NH, int64_t KVH, int64_t D, int64_t lds, int64_t E,
+                                  int64_t k, int64_t I) {
+    const int64_t P = B * (E ? k : 1);
+    return B * H * 4 + B * (NH + 2 * KVH) * D + B * NH * D + B * NH * lds + B * E + P + P * (2 * H + 3 * I);
+}
+
+void duet_decode_layer_f32(const float *x, int64_t B, int64_t H, float eps, const float *ln1, const float *ln2,
+                           const float *wqkv, const float *bqkv, int64_t NH, int64_t KVH, int64_t D,
+                           const float *qk_norm, float scale, const float *cos_t, const float *sin_t, float *mirror_k,
+                           float *mirror_v, const int64_t *slots, const int64_t *pos, int64_t cap, int64_t lds,
+                           float *pool_k, float *pool_v, const int64_t *pool_slots, const float *wo, const float *bo,
+                           int64_t E, int64_t k, int norm_topk, const float *gate, const float *gate_up,
+                           const float *down, int64_t I, int64_t *counts, float *fs, int64_t *is, float *y) {
+    const int64_t NQKV = (NH + 2 * KVH) * D;
+    float *h = fs, *x2 = h + B * H, *h2 = x2 + B * H, *m = h2 + B * H, *qkv = m + B * H, *att = qkv + B * NQKV;
+    float *sc = att + B * NH * D, *logits = sc + B * NH * lds, *wts = logits + B * E;
+    float *moe_fs = wts + B * (E ? k : 1);
+    duet_rms_norm_f32(x, B, H, ln1, 1, eps, h);
+    duet_linear_f32(h, B, H, wqkv, NQKV, bqkv, qkv);
+    norm_rope(qkv, B, NQKV, NH + KVH, D, qk_norm, eps, cos_t, sin_t);
+    duet_decode_attention_f32(qkv, NQKV, qkv + NH * D, NQKV, qkv + (NH + KVH) * D, NQKV, mirror_k, mirror_v, slots,
+                              pos, pool_k, pool_v, pool_slots, B, NH, KVH, D, cap, scale, sc, lds, att);
+    duet_linear_f32(att, B, NH * D, wo, H, bo, m);
+    duet_add_rms_norm_f32(x, m, B, H, ln2, eps, x2, h2);
+    if (E) {
+        int64_t *ids = is, *iscratch = is + B * k;
+        duet_moe_route_f32(h2, B, H, gate, E, k, norm_topk, logits, wts, ids, counts);
+        duet_moe_silu_f32(h2, B, H, I, E, gate_up, down, ids, wts, k, moe_fs, iscratch, m);
+    } else {
+        int64_t *ids = is;
+        for (int64_t b = 0; b < B; b++) { ids[b] = 0; wts[b] = 1.f; }
+        /* one expert of weight one: the same SwiGLU, with the weight multiply exact */
+        duet_moe_silu_f32(h2, B, H, I, 1, gate_up, down, ids, wts, 1, moe_fs, is + B, m);
+    }
+    const int64_t n = B * H;
+    for (int64_t i = 0; i < n; i++) y[i] = x2[i] + m[i];
+}

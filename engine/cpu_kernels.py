@@ -88,6 +88,8 @@ def _build(cc: str, flags: tuple[str, ...]) -> Path:
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on the first call in a process (None where they cannot be: see the module)."""
     global _lib, _tried
+    if _tried:  # built (or refused) already: no lock on the per-step path
+        return _lib
     with _lock:
         if _tried:
             return _lib
@@ -115,6 +117,21 @@ def library() -> ctypes.CDLL | None:
         lib.duet_moe_silu_f32.restype = None
         lib.duet_rms_norm_f32.argtypes = [_p, _i, _i, _p, _i, ctypes.c_float, _p]
         lib.duet_rms_norm_f32.restype = None
+        lib.duet_add_rms_norm_f32.argtypes = [_p, _p, _i, _i, _p, ctypes.c_float, _p, _p]
+        lib.duet_add_rms_norm_f32.restype = None
+        lib.duet_norm_rope_f32.argtypes = [_p, _i, _i, _i, _p, ctypes.c_float, _p, _p]
+        lib.duet_norm_rope_f32.restype = None
+        lib.duet_decode_attention_f32.argtypes = [_p, _i, _p, _i, _p, _i, _p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i,
+                                                  _i, ctypes.c_float, _p, _i, _p]
+        lib.duet_decode_layer_scratch.argtypes = [_i] * 9
+        lib.duet_decode_layer_scratch.restype = _i
+        lib.duet_decode_layer_f32.argtypes = [_p, _i, _i, ctypes.c_float, _p, _p, _p, _p, _i, _i, _i, _p,
+                                              ctypes.c_float, _p, _p, _p, _p, _p, _p, _i, _i, _p, _p, _p, _p, _p,
+                                              _i, _i, ctypes.c_int, _p, _p, _p, _i, _p, _p, _p, _p]
+        lib.duet_decode_layer_f32.restype = None
+        lib.duet_decode_attention_f32.restype = None
+        lib.duet_moe_route_f32.argtypes = [_p, _i, _i, _p, _i, _i, ctypes.c_int, _p, _p, _p, _p]
+        lib.duet_moe_route_f32.restype = None
         _lib = lib
         return lib
 
@@ -140,10 +157,11 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 
 def moe_silu(lib: ctypes.CDLL, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
-             weights: torch.Tensor) -> torch.Tensor:
+             weights: torch.Tensor, *, checked: bool = False) -> torch.Tensor:
     """Routed SwiGLU experts for x [T, H] (float32): ``gate_up`` [E, 2I, H], ``down`` [E, H, I] (both
     :func:`usable`), ``experts`` [T, k] ids < E, ``weights`` [T, k]. Each expert with tokens runs once over all of
-    them; each token's experts are summed in ascending id order, as the grouped path sums them."""
+    them; each token's experts are summed in ascending id order, as the grouped path sums them. ``checked``: the
+    ids come from :func:`moe_route` (in range by construction), so the range check is skipped."""
     t, h = x.shape
     e, two_i, _ = gate_up.shape
     i = two_i // 2
@@ -151,7 +169,7 @@ def moe_silu(lib: ctypes.CDLL, x: torch.Tensor, gate_up: torch.Tensor, down: tor
     if k > MAX_TOP_K:
         raise ValueError(f"moe_silu: top-{k} exceeds the kernel's {MAX_TOP_K}")
     ids = experts.to(torch.int64).contiguous()
-    flat = ids.view(-1).tolist()
+    flat = [] if checked else ids.view(-1).tolist()
     if flat and (min(flat) < 0 or max(flat) >= e):  # the kernel indexes the weights by these: never out of range
         raise ValueError(f"moe_silu: expert ids outside [0, {e})")
     w = weights.to(torch.float32).contiguous()
@@ -173,4 +191,103 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not broadcast over x {tuple(x.shape)}")
     y = torch.empty_like(x)
     lib.duet_rms_norm_f32(x.data_ptr(), x.numel() // h if h else 0, h, weight.data_ptr(), wrows, eps, y.data_ptr())
+    return y
+
+
+def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + r, rms_norm(x + r) * weight) in one pass, for contiguous float32 x and r of one shape [..., H]."""
+    h = x.shape[-1]
+    if r.shape != x.shape or weight.shape != (h,):
+        raise ValueError(f"add_rms_norm: shapes {tuple(x.shape)} + {tuple(r.shape)}, weight {tuple(weight.shape)}")
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    lib.duet_add_rms_norm_f32(x.data_ptr(), r.data_ptr(), x.numel() // h if h else 0, h, weight.data_ptr(), eps,
+                              s.data_ptr(), y.data_ptr())
+    return s, y
+
+
+def norm_rope(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+              sin_signed: torch.Tensor) -> torch.Tensor:
+    """In place on contiguous float32 x [T, R, D]: per-head RMSNorm (``weight`` [R, D], or None for none), then
+    rotary with tables cos / sin_signed of T * D floats (:meth:`engine.layers.RotaryEmbedding.tables`). Returns x."""
+    t, r, d = x.shape
+    if d % 2 or cos.numel() != t * d or sin_signed.numel() != t * d or (weight is not None and weight.numel() != r * d):
+        raise ValueError(f"norm_rope: x {tuple(x.shape)}, tables {tuple(cos.shape)}")
+    lib.duet_norm_rope_f32(x.data_ptr(), t, r, d, None if weight is None else weight.data_ptr(), eps,
+                           cos.data_ptr(), sin_signed.data_ptr())
+    return x
+
+
+def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mirror_k: torch.Tensor,
+                     mirror_v: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, max_len: int, scale: float,
+                     pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One query per sequence: write k, v [B, KVH, D] at ``pos`` [B] of mirror rows ``slots`` [B] (int64; the
+    mirror [S, KVH, cap, D]) and, with ``pool`` = (k_pool, v_pool, pool slots [B]), into the paged pool; then q
+    [B, H, D] attends over positions 0..pos of its row (``max_len`` > every pos). Float32; q, k and v may be row slices of wider rows (each
+    token's heads contiguous), the rest contiguous; the caller guarantees the slots and positions are in range (the
+    model runner built them). Returns [B, H, D] contiguous."""
+    b, h, d = q.shape
+    s, kvh, cap, _ = mirror_k.shape
+    for t, n in ((q, h), (k, kvh), (v, kvh)):
+        if t.stride()[1:] != (d, 1) or t.shape != (b, n, d):
+            raise ValueError(f"decode_attention: a [{b}, {n}, {d}] operand has shape {tuple(t.shape)}, strides "
+                             f"{t.stride()}")
+    lds = max(max_len, 1)
+    scratch = torch.empty(b * h * lds, dtype=torch.float32)
+    out = torch.empty_like(q)
+    pk, pv, ps = (None, None, None) if pool is None else (pool[0].data_ptr(), pool[1].data_ptr(), pool[2].data_ptr())
+    lib.duet_decode_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                  mirror_k.data_ptr(), mirror_v.data_ptr(), slots.data_ptr(), pos.data_ptr(), pk, pv,
+                                  ps, b, h, kvh, d, cap, scale, scratch.data_ptr(), lds, out.data_ptr())
+    return out
+
+
+def moe_route(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, k: int, norm: bool,
+              counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's (weights [T, k] float32, expert ids [T, k] int64) for contiguous float32 x [T, H] and gate [E, H]:
+    softmax, top-k (descending, ties to the lower id), renormalized when ``norm``; ``counts`` [E] int64 += picks."""
+    t, h = x.shape
+    e = gate.shape[0]
+    if not 1 <= k <= e or gate.shape[1] != h or counts.shape != (e,) or counts.dtype != torch.int64:
+        raise ValueError(f"moe_route: top-{k} of gate {tuple(gate.shape)} for x {tuple(x.shape)}")
+    logits = torch.empty(t * e, dtype=torch.float32)
+    weights = torch.empty(t, k, dtype=torch.float32)
+    ids = torch.empty(t, k, dtype=torch.int64)
+    lib.duet_moe_route_f32(x.data_ptr(), t, h, gate.data_ptr(), e, k, int(norm), logits.data_ptr(),
+                           weights.data_ptr(), ids.data_ptr(), counts.data_ptr())
+    return weights, ids
+
+
+def decode_layer(lib: ctypes.CDLL, x: torch.Tensor, *, eps: float, ln1: torch.Tensor, ln2: torch.Tensor,
+                 wqkv: torch.Tensor, bqkv: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int,
+                 qk_norm: torch.Tensor | None, scale: float, cos: torch.Tensor, sin_signed: torch.Tensor,
+                 mirror: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, pos: torch.Tensor, max_len: int,
+                 pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], wo: torch.Tensor, bo: torch.Tensor | None,
+                 gate_up: torch.Tensor, down: torch.Tensor, router: torch.Tensor | None = None, top_k: int = 1,
+                 norm_topk: bool = False, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """A whole decoder layer for a decode step of x [B, H] (``duet_decode_layer_f32``): returns the layer's output
+    [B, H]; the step's keys and values land in ``mirror`` (k, v [S, KVH, cap, D]) rows ``slots`` at ``pos`` and in
+    the paged ``pool`` (k, v, flat slots [B]). MoE when ``router`` [E, H] is given (``gate_up`` [E, 2I, H],
+    ``down`` [E, H, I], ``counts`` [E] += picks), else one SwiGLU MLP (``gate_up`` [2I, H], ``down`` [H, I]).
+    Everything float32 and contiguous, slots and positions in range: the caller (:class:`engine.text_model.
+    DecoderLayer`) checks what it cannot know by construction."""
+    b, h = x.shape
+    e = 0 if router is None else router.shape[0]
+    kk = top_k if e else 1
+    if e and not 1 <= top_k <= min(e, MAX_TOP_K):
+        raise ValueError(f"decode_layer: top-{top_k} of {e} experts")
+    i = down.shape[-1]
+    lds = max(max_len, 1)
+    fs = torch.empty(lib.duet_decode_layer_scratch(b, h, heads, kv_heads, head_dim, lds, e, kk, i),
+                     dtype=torch.float32)
+    iscr = torch.empty(2 * max(e, 1) + 3 * b * kk, dtype=torch.int64)
+    y = torch.empty_like(x)
+    lib.duet_decode_layer_f32(
+        x.data_ptr(), b, h, eps, ln1.data_ptr(), ln2.data_ptr(), wqkv.data_ptr(),
+        None if bqkv is None else bqkv.data_ptr(), heads, kv_heads, head_dim,
+        None if qk_norm is None else qk_norm.data_ptr(), scale, cos.data_ptr(), sin_signed.data_ptr(),
+        mirror[0].data_ptr(), mirror[1].data_ptr(), slots.data_ptr(), pos.data_ptr(), mirror[0].shape[2], lds,
+        pool[0].data_ptr(), pool[1].data_ptr(), pool[2].data_ptr(), wo.data_ptr(), None if bo is None else bo.data_ptr(),
+        e, kk, int(norm_topk), None if router is None else router.data_ptr(), gate_up.data_ptr(), down.data_ptr(), i,
+        None if counts is None else counts.data_ptr(), fs.data_ptr(), iscr.data_ptr(), y.data_ptr())
     return y

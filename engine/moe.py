@@ -149,6 +149,15 @@ class SparseMoe(nn.Module):
         if not keep_packed:
             self._packed = None
 
+    def _route_kernel(self, x: torch.Tensor):
+        """The compiled kernels where they route this step (float32 on CPU, a step of at most
+        :data:`ROUTE_KERNEL_ROWS` tokens: beyond it the library GEMM reuses the router's weights better), else None."""
+        w = self.gate.weight
+        if x.shape[0] > ROUTE_KERNEL_ROWS or x.dtype != torch.float32 or w.dtype != torch.float32 \
+                or x.device.type != "cpu" or not (x.is_contiguous() and w.is_contiguous()):
+            return None
+        return cpu_kernels.library()
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k], expert ids [T, k])."""
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
@@ -161,16 +170,24 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, h = x.shape
-        weights, experts = self.route(x)
+        lib = self._route_kernel(x)
+        if lib is not None:  # router GEMV, softmax, top-k and the counts in one call
+            weights, experts = cpu_kernels.moe_route(lib, x, self.gate.weight, self.top_k, self.norm_topk_prob,
+                                                     self.expert_counts)
+            counts = None
+        else:
+            weights, experts = self.route(x)
+            counts = torch.bincount(experts.view(-1), minlength=self.num_experts)
+            self.expert_counts += counts
         if self.record_routing:
             self.last_experts = experts
-        flat = experts.view(-1)
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        self.expert_counts += counts
         if self.executor is not None:
             return self.executor(x, weights, experts)
         if self._fused is not None and t <= self._fused_upto and x.dtype == torch.float32:
-            return cpu_kernels.moe_silu(self._fused, x, self.gate_up_proj, self.down_proj, experts, weights)
+            return cpu_kernels.moe_silu(self._fused, x, self.gate_up_proj, self.down_proj, experts, weights,
+                                        checked=lib is not None)
+        if counts is None:
+            counts = torch.bincount(experts.view(-1), minlength=self.num_experts)
         packed = self._packed is not None and self._packed_for[bucket(t)]
         return self._experts(x, weights, experts, counts, packed=packed)
 
@@ -244,6 +261,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+ROUTE_KERNEL_ROWS = 16  # steps of up to this many tokens route through the compiled kernel (decode batches)
 FUSED_PROBES = (1, 4, 16, 32, 64, 256)  # step sizes the one-call path is timed at (it stops at the first it loses)
 # (E, 2I, H, k, dtype, threads, one-call path possible) -> SparseMoe._measure_paths' answer
 _PATHS: dict[tuple, tuple[tuple[bool, ...], int]] = {}
@@ -255,6 +273,7 @@ class DenseMlp(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = ACTIVATIONS[cfg.hidden_act]
+        self.silu = cfg.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

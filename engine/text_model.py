@@ -11,11 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import engine.cpu_kernels as cpu_kernels
 from engine.attention import AttentionMetadata, LayerKV, paged_attention
 from engine.layers import Linear, apply_rotary, rms_norm
 from engine.moe import DenseMlp, SparseMoe
 from engine.text_config import TextConfig
 
+
+def _f32_kernels(*tensors: torch.Tensor):
+    """The compiled kernels when every tensor is contiguous float32 on CPU (their fused element-wise passes), else
+    None."""
+    if all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return cpu_kernels.library()
+    return None
 
 
 class Attention(nn.Module):
@@ -43,9 +51,13 @@ class Attention(nn.Module):
         t = x.shape[0]
         qk = self._qk(x).view(t, self.h + self.kvh, self.d)
         v = self._v(x).view(t, self.kvh, self.d)
-        if self.qk_norm:
-            qk = rms_norm(qk, self._qk_w, self.eps)
-        qk = apply_rotary(qk, *rope)
+        lib = _f32_kernels(qk, *rope)
+        if lib is not None and rope[0].shape[-1] == self.d:  # norm and rotary in one pass, in place
+            cpu_kernels.norm_rope(lib, qk, self._qk_w if self.qk_norm else None, self.eps, *rope)
+        else:
+            if self.qk_norm:
+                qk = rms_norm(qk, self._qk_w, self.eps)
+            qk = apply_rotary(qk, *rope)
         o = paged_attention(qk[:, : self.h], qk[:, self.h:], v, kv, meta, self.scale)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
@@ -77,11 +89,68 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.eps = cfg.rms_norm_eps
+        self.one_call = False  # decode steps of a few sequences run the layer in one compiled call (pack_linears)
+
+    def pack_linears(self, make) -> list:
+        """CPU kernel choice (:func:`engine.cpu_linear.pack_linears`): in ``auto`` mode the layer's decode steps of
+        up to :data:`DECODE_LAYER_ROWS` sequences go through :meth:`_decode_step`; ``packed`` (every linear through
+        oneDNN) and ``native`` (no hook is called) keep the module path."""
+        self.one_call = make.mode == "auto"
+        return []
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 kv: LayerKV) -> torch.Tensor:
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), rope, meta, kv)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
+        dec = meta.decode
+        if self.one_call and dec is not None and not meta.prefills and x.shape[0] <= DECODE_LAYER_ROWS \
+                and dec.layer_masks is None:
+            y = self._decode_step(x, rope, meta, kv)
+            if y is not None:
+                return y
+        a = self.self_attn(rms_norm(x, self.input_layernorm, self.eps), rope, meta, kv)
+        lib = _f32_kernels(x, a, self.post_attention_layernorm)
+        if lib is not None:  # the residual add and the second norm in one pass
+            x, h = cpu_kernels.add_rms_norm(lib, x, a, self.post_attention_layernorm, self.eps)
+        else:
+            x = x + a
+            h = rms_norm(x, self.post_attention_layernorm, self.eps)
+        return x + self.mlp(h)
+
+    def _decode_step(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                     kv: LayerKV) -> torch.Tensor | None:
+        """The layer in one compiled call (:func:`engine.cpu_kernels.decode_layer`) for a decode-only step of a few
+        sequences in float32 on CPU, where each of the ~20 ops of the module path would cost more in dispatch and
+        cold caches than in arithmetic; None where it does not apply (the module path runs)."""
+        attn, mlp = self.self_attn, self.mlp
+        cos, sin = rope
+        if cos.shape[-1] != attn.d:
+            return None
+        if isinstance(mlp, SparseMoe):
+            if mlp.executor is not None or mlp.record_routing or mlp._fused is None or x.shape[0] > mlp._fused_upto:
+                return None
+            gate_up, down, router = mlp.gate_up_proj, mlp.down_proj, mlp.gate.weight
+        elif mlp.silu:
+            gate_up, down, router = mlp.gate_up_proj.weight, mlp.down_proj.weight, None
+        else:
+            return None
+        qkv, o = attn.qkv_proj, attn.o_proj
+        qk_w = attn._qk_w if attn.qk_norm else None
+        lib = _f32_kernels(x, cos, sin, qkv.weight, o.weight, gate_up, down, kv.mirror_k, kv.mirror_v, kv.k, kv.v,
+                           self.input_layernorm, self.post_attention_layernorm,
+                           *(t for t in (router, qkv.bias, o.bias, qk_w) if t is not None))
+        if lib is None:
+            return None
+        dec = meta.decode
+        return cpu_kernels.decode_layer(
+            lib, x, eps=self.eps, ln1=self.input_layernorm, ln2=self.post_attention_layernorm, wqkv=qkv.weight,
+            bqkv=qkv.bias, heads=attn.h, kv_heads=attn.kvh, head_dim=attn.d,
+            qk_norm=qk_w, scale=attn.scale, cos=cos, sin_signed=sin,
+            mirror=(kv.mirror_k, kv.mirror_v), slots=dec.slots, pos=dec.write_pos, max_len=dec.max_len,
+            pool=(kv.k, kv.v, meta.slot_mapping), wo=o.weight, bo=o.bias, gate_up=gate_up, down=down, router=router,
+            top_k=getattr(mlp, "top_k", 1), norm_topk=getattr(mlp, "norm_topk_prob", False),
+            counts=getattr(mlp, "expert_counts", None))
+
+
+DECODE_LAYER_ROWS = cpu_kernels.MAX_ROWS  # decode steps of up to this many sequences run a layer in one call
 
 
 class TextModel(nn.Module):

@@ -149,7 +149,7 @@ def test_moe_one_call_path_equals_the_grouped_path(monkeypatch, upto):
     assert moe._fused is not None and moe._fused_upto == upto and moe.gate_up_proj.numel() > 0
     calls = []
     real = cpu_kernels.moe_silu
-    monkeypatch.setattr(cpu_kernels, "moe_silu", lambda lib, xs, *a: calls.append(xs.shape[0]) or real(lib, xs, *a))
+    monkeypatch.setattr(cpu_kernels, "moe_silu", lambda lib, xs, *a, **kw: calls.append(xs.shape[0]) or real(lib, xs, *a, **kw))
     for t in range(1, 7):
         torch.testing.assert_close(moe(x[:t]), want[t - 1], rtol=1e-5, atol=1e-5)
     assert calls == list(range(1, min(upto, 6) + 1))
