@@ -2,7 +2,10 @@
 
 Why they exist: a decode step reads every weight once for one or a few rows, and library GEMMs at one row read
 memory at a third of what the core can (``cpu_kernels.c`` says how they differ). Whether they are faster is measured
-per weight shape at load (:mod:`engine.cpu_linear`, :mod:`engine.moe`), as for every other CPU kernel choice.
+per weight shape at load (:mod:`engine.cpu_linear`, :mod:`engine.moe`), as for every other CPU kernel choice. The
+rest fuse what torch runs as several ops (RMSNorm, add + norm, q/k norm + rotary, decode attention with its KV
+writes, the MoE router) and, :func:`decode_layer`, chain them into one call per decoder layer for decode steps of a
+few sequences, whose time is otherwise mostly per-op overhead.
 
 Build: the system C compiler (``$CC`` or ``cc``) with ``-O3 -march=native``, so the code is vectorized for this CPU.
 The library is cached under ``$DUET_KERNEL_CACHE`` (default ``~/.cache/duet/kernels``), named by a hash of the
