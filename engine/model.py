@@ -33,7 +33,8 @@ class LlavaModel(nn.Module):
         if cfg.vision is not None:
             self.vision = model_family(cfg.model_type).build_vision(cfg)
         self.text: TextModel = model_family(cfg.text.model_type, text=True).build_text(cfg.text)
-        self.linear_kernels = {"layers": 0, "packed": 0, "few_rows": 0, "moe_one_call_upto": []}  # set at load on
+        self.linear_kernels = {"layers": 0, "packed": 0, "few_rows": 0, "moe_one_call_upto": [],
+                               "layer_call_upto": 0}  # set at load on
         # CPU (engine.cpu_linear.pack_linears)
 
     @classmethod
@@ -50,6 +51,7 @@ class LlavaModel(nn.Module):
             model.text.finalize()
             if torch.device(device).type == "cpu":
                 model.linear_kernels = pack_linears(model, cpu_linear)
+                model.linear_kernels["layer_call_upto"] = model.text.choose_one_call()
         return model.eval().requires_grad_(False)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:

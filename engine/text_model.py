@@ -6,13 +6,14 @@ Input is a flat batch of tokens (see :mod:`engine.attention`); hidden states are
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import engine.cpu_kernels as cpu_kernels
-from engine.attention import AttentionMetadata, LayerKV, paged_attention
+from engine.attention import AttentionMetadata, DecodeBatch, LayerKV, paged_attention
 from engine.layers import Linear, apply_rotary, rms_norm
 from engine.moe import DenseMlp, SparseMoe
 from engine.text_config import TextConfig
@@ -89,19 +90,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.eps = cfg.rms_norm_eps
-        self.one_call = False  # decode steps of a few sequences run the layer in one compiled call (pack_linears)
+        self.one_call = False  # the one-call path may run here (pack_linears) ...
+        self.layer_call_upto = 0  # ... on decode steps of up to this many sequences (TextModel.choose_one_call)
 
     def pack_linears(self, make) -> list:
-        """CPU kernel choice (:func:`engine.cpu_linear.pack_linears`): in ``auto`` mode the layer's decode steps of
-        up to :data:`DECODE_LAYER_ROWS` sequences go through :meth:`_decode_step`; ``packed`` (every linear through
-        oneDNN) and ``native`` (no hook is called) keep the module path."""
+        """CPU kernel choice (:func:`engine.cpu_linear.pack_linears`): in ``auto`` mode the layer's decode steps may
+        go through :meth:`_decode_step` (up to the batch :meth:`TextModel.choose_one_call` measures); ``packed``
+        (every linear through oneDNN) and ``native`` (no hook is called) keep the module path."""
         self.one_call = make.mode == "auto"
         return []
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 kv: LayerKV) -> torch.Tensor:
         dec = meta.decode
-        if self.one_call and dec is not None and not meta.prefills and x.shape[0] <= DECODE_LAYER_ROWS \
+        if dec is not None and x.shape[0] <= self.layer_call_upto and not meta.prefills \
                 and dec.layer_masks is None:
             y = self._decode_step(x, rope, meta, kv)
             if y is not None:
@@ -150,7 +152,36 @@ class DecoderLayer(nn.Module):
             counts=getattr(mlp, "expert_counts", None))
 
 
-DECODE_LAYER_ROWS = cpu_kernels.MAX_ROWS  # decode steps of up to this many sequences run a layer in one call
+ONE_CALL_PROBES = (1, 4, 8, 16, 32, 64)  # decode batch sizes the one-call layer is timed at (it stops at a loss)
+ONE_CALL_LAYERS = 4  # layers a probe runs (each probe a step through them; every layer of a model has one shape)
+# (config shapes, threads) -> TextModel.choose_one_call's answer
+_ONE_CALL: dict[tuple, int] = {}
+
+
+def _one_call_probe(layers: list[DecoderLayer], batch: int, reps: int = 5) -> tuple[float, float]:
+    """(module path, one-call path) seconds for a decode step of ``batch`` sequences through ``layers``: best of
+    ``reps``, the two paths alternating, on zero KV of 64 positions and random hidden states."""
+    a = layers[0].self_attn
+    ctx, bs = 64, 16
+    g = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, layers[0].input_layernorm.shape[0], generator=g)
+    ang = torch.rand(batch, 1, a.d, generator=g)
+    rope = (ang.cos(), ang.sin())
+    kv = LayerKV(torch.zeros(-(-batch // bs), bs, a.kvh, a.d), torch.zeros(-(-batch // bs), bs, a.kvh, a.d),
+                 torch.zeros(batch, a.kvh, ctx, a.d), torch.zeros(batch, a.kvh, ctx, a.d))
+    dec = DecodeBatch(torch.arange(batch), torch.full((batch,), ctx - 1), ctx, True, torch.zeros(batch, 1, 1, ctx))
+    meta = AttentionMetadata(slot_mapping=torch.arange(batch), prefills=[], num_prefill_tokens=0, decode=dec)
+    best = [float("inf"), float("inf")]
+    for r in range(reps + 1):  # the first round warms both paths
+        for path in (0, 1):
+            for layer in layers:
+                layer.layer_call_upto = batch if path else 0
+            t0 = time.perf_counter()
+            for layer in layers:
+                layer(x, rope, meta, kv)
+            if r:
+                best[path] = min(best[path], time.perf_counter() - t0)
+    return best[0], best[1]
 
 
 class TextModel(nn.Module):
@@ -178,6 +209,33 @@ class TextModel(nn.Module):
         """Precompute derived weights after loading."""
         for layer in self.layers:
             layer.self_attn.finalize()
+
+    @torch.inference_mode()
+    def choose_one_call(self) -> int:
+        """After :func:`engine.cpu_linear.pack_linears`: the largest of :data:`ONE_CALL_PROBES` decode batch sizes
+        at which a decode step through the first :data:`ONE_CALL_LAYERS` layers ran faster in one call per layer than
+        through the modules (at it and every smaller probe; up to what the MoE one-call path takes), timed once per
+        shape and thread count in a process; every layer that may take the path gets it (0: never)."""
+        layers = [m for m in self.layers if isinstance(m, DecoderLayer) and m.one_call]
+        if not layers or cpu_kernels.library() is None or self.norm.dtype != torch.float32:
+            return 0
+        cap = min((m.mlp.one_call_upto for m in layers if isinstance(m.mlp, SparseMoe)), default=ONE_CALL_PROBES[-1])
+        probe = layers[:ONE_CALL_LAYERS]
+        key = (tuple(tuple(p.shape) for m in probe for p in m.parameters()), cap, torch.get_num_threads())
+        if key not in _ONE_CALL:
+            counts = [m.mlp.expert_counts.clone() for m in probe if isinstance(m.mlp, SparseMoe)]
+            upto = 0
+            for batch in (b for b in ONE_CALL_PROBES if b <= cap):
+                modules, one = _one_call_probe(probe, batch)
+                if one >= modules:
+                    break
+                upto = batch
+            for m, c in zip((m for m in probe if isinstance(m.mlp, SparseMoe)), counts, strict=True):
+                m.mlp.expert_counts.copy_(c)  # the probes' routing is not traffic
+            _ONE_CALL[key] = upto
+        for m in layers:
+            m.layer_call_upto = _ONE_CALL[key]
+        return _ONE_CALL[key]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows, returned in float32."""

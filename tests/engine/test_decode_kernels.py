@@ -19,7 +19,8 @@ from engine.moe import SparseMoe
 LIB = cpu_kernels.library()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here: the compiled kernels are not built")
 TOL = dict(rtol=2e-5, atol=2e-5)
-DECODE_LAYER = cpu_kernels.decode_layer  # the real one, before any test wraps it
+DECODE_LAYER = cpu_kernels.decode_layer  # the real ones, before any test wraps them
+DECODE_PROBE = text_model._one_call_probe
 
 
 def _rope(t: int, d: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,10 +205,17 @@ SPECS = {
 }
 
 
-def _generate(path, prompts, monkeypatch, *, one_call: bool):
-    monkeypatch.setattr(moe_mod, "_PATHS", {})  # the MoE's one-call path forced on: the layer call needs it
+def _force_one_call(monkeypatch, upto: int) -> None:
+    """The load-time choices forced: the MoE's one-call path up to 64 tokens (the layer call needs it), the one-call
+    layer measured faster up to ``upto`` sequences."""
+    monkeypatch.setattr(moe_mod, "_PATHS", {})
     monkeypatch.setattr(SparseMoe, "_measure_paths", lambda self: ((False,) * 3, 64))
-    monkeypatch.setattr(text_model, "DECODE_LAYER_ROWS", cpu_kernels.MAX_ROWS if one_call else 0)
+    monkeypatch.setattr(text_model, "_ONE_CALL", {})
+    monkeypatch.setattr(text_model, "_one_call_probe", lambda layers, b: (1.0, 0.5) if b <= upto else (0.5, 1.0))
+
+
+def _generate(path, prompts, monkeypatch, *, one_call: bool):
+    _force_one_call(monkeypatch, 4 if one_call else 0)
     calls = []
     monkeypatch.setattr(cpu_kernels, "decode_layer",
                         lambda lib, x, **kw: calls.append(x.shape[0]) or DECODE_LAYER(lib, x, **kw))
@@ -230,7 +238,7 @@ def test_engine_one_call_layer_equals_the_module_path(name, tiny_ckpt, monkeypat
         want, none = _generate(path, prompts, monkeypatch, one_call=False)
         got, calls = _generate(path, prompts, monkeypatch, one_call=True)
         assert none == [] and calls, "the one-call layer must run on decode steps, and only when enabled"
-        assert max(calls) <= text_model.DECODE_LAYER_ROWS
+        assert max(calls) <= 4
         for a, b in zip(got, want, strict=True):
             assert a.token_ids == b.token_ids
             for la, lb in zip(a.logits, b.logits, strict=True):
@@ -243,3 +251,30 @@ def test_packed_mode_keeps_the_module_path(tiny_ckpt, monkeypatch):
     llm = LLM(tiny_ckpt(SPECS["llama-dense"]), dtype="float32", num_kv_blocks=64, block_size=4, cpu_linear="packed")
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert calls == []
+
+
+def test_the_one_call_limit_is_measured_at_load(tiny_ckpt, monkeypatch):
+    path = tiny_ckpt(SPECS["qwen3moe"])
+    _force_one_call(monkeypatch, 8)  # faster up to 8 sequences, slower at 16
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=4)
+    assert llm.engine.model.linear_kernels["layer_call_upto"] == 8
+    assert {m.layer_call_upto for m in llm.engine.model.text.layers} == {8}
+    # measured for real: a probe size, the routing counts untouched by the probes, and cached per shape
+    monkeypatch.setattr(text_model, "_one_call_probe", DECODE_PROBE)
+    monkeypatch.setattr(text_model, "_ONE_CALL", {})
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=4)
+    upto = llm.engine.model.linear_kernels["layer_call_upto"]
+    assert upto in (0, *text_model.ONE_CALL_PROBES)
+    assert not llm.engine.model.text.moe_counts().any()
+    assert len(text_model._ONE_CALL) == 1
+
+
+def test_the_probe_times_both_paths_on_the_model_layers(tiny_ckpt, monkeypatch):
+    _force_one_call(monkeypatch, 0)
+    llm = LLM(tiny_ckpt(SPECS["qwen3moe"]), dtype="float32", num_kv_blocks=64, block_size=4)
+    layers = list(llm.engine.model.text.layers)
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "decode_layer", lambda lib, x, **kw: calls.append(1) or DECODE_LAYER(lib, x, **kw))
+    modules, one = DECODE_PROBE(layers, 3)
+    assert 0 < modules < 1 and 0 < one < 1
+    assert len(calls) == 6 * len(layers)  # the one-call path ran in each of its rounds (the warm-up included)
