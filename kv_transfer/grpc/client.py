@@ -49,8 +49,6 @@ def status_error(e: BaseException) -> TransferError:
     return PeerUnavailable(detail)
 
 
-CALL_GRACE_S = 2.0  # seconds a Push call may run past its lease (see Sender)
-
 class Sender(BaseSender):
     """Prefill side of one transfer (see :class:`kv_transfer.base.KVSender`)."""
 
@@ -68,10 +66,7 @@ class Sender(BaseSender):
             self.poll()  # fails with TransferTimeout
             return
         metadata = None if secret is None else call_metadata(secret, lease)
-        # the call outlives the lease by CALL_GRACE_S: a live decode side ends it at the lease deadline (an answer),
-        # so only a link that answers nothing runs into the call's own deadline (the manager's wedge test; with no
-        # grace a loaded host's client timer could fire first and a healthy link was redialled)
-        self.call = push.future(self._messages(), timeout=timeout + CALL_GRACE_S, metadata=metadata)
+        self.call = push.future(self._messages(), timeout=timeout, metadata=metadata)
         self._advance(KVPoll.WAITING)
         self.call.add_done_callback(self._on_call_done)
 
