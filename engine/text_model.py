@@ -22,7 +22,7 @@ from engine.text_config import TextConfig
 def _f32_kernels(*tensors: torch.Tensor):
     """The compiled kernels when every tensor is contiguous float32 on CPU (their fused element-wise passes), else
     None."""
-    if all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+    if all(cpu_kernels.usable(t) for t in tensors):
         return cpu_kernels.library()
     return None
 
@@ -127,7 +127,7 @@ class DecoderLayer(nn.Module):
         if cos.shape[-1] != attn.d:
             return None
         if isinstance(mlp, SparseMoe):
-            if mlp.executor is not None or mlp.record_routing or mlp._fused is None or x.shape[0] > mlp._fused_upto:
+            if mlp.executor is not None or mlp.record_routing or x.shape[0] > mlp.one_call_upto:
                 return None
             gate_up, down, router = mlp.gate_up_proj, mlp.down_proj, mlp.gate.weight
         elif mlp.silu:
