@@ -54,7 +54,7 @@ class Sender(BaseSender):
 
     def __init__(self, lease: Lease, *, push: grpc.StreamUnaryMultiCallable, codec: Codec, chunk_bytes: int,
                  on_terminal: Callable[[Sender], None], secret: ClusterSecret | None = None,
-                 on_call_end: Callable[[float, bool], None] | None = None) -> None:
+                 on_call_end: Callable[[float, bool | None], None] | None = None) -> None:
         super().__init__(lease, codec=codec, payload_device=torch.device("cpu"),
                          auth=None if secret is None else LeaseAuth(secret, lease.request_id, lease.lease_id))
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -110,11 +110,11 @@ class Sender(BaseSender):
     def _on_call_done(self, call: grpc.Future) -> None:
         cancelled = call.cancelled()
         error = None if cancelled else call.exception()
-        if self._on_call_end is not None and (error is None and not cancelled or isinstance(error, grpc.Call)):
-            # answered: the decode side's summary came back; not answered: the call ran into its deadline
-            unanswered = error is not None and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            if error is None or unanswered:
-                self._on_call_end(self._call_started, not unanswered)
+        if self._on_call_end is not None:
+            # True: the decode side's summary came back. False: any other end (deadline, the decode side cancelling
+            # at the lease deadline, a broken stream) proves nothing about the link: the manager probes it. None:
+            # this side cancelled the call.
+            self._on_call_end(self._call_started, None if cancelled else error is None)
         if cancelled or error is not None:
             if time.time() >= self.deadline_s:  # the decode side ended the call because the lease ran out
                 self._fail(TransferTimeout(f"request {self.request_id!r}: lease deadline passed (the Push call "

@@ -42,9 +42,42 @@ from kv_transfer.transfer import TERMINAL, BaseReceiver
 
 SERVICE = "duet.kv.v1.KVTransfer"
 PUSH = f"/{SERVICE}/Push"
+PING = f"/{SERVICE}/Ping"
 SUMMARY_VERSION = 1
+PING_VERSION = 1
+PING_MAX_BYTES = 256
 PAYLOAD_KINDS = ("layer", "state")
 MD_REQUEST, MD_LEASE, MD_PROOF = "duet-kv-request-bin", "duet-kv-lease", "duet-kv-proof"
+
+
+def pack_ping(nonce: bytes) -> bytes:
+    """A ``Ping`` request (and, echoed, its answer): msgpack ``{"v", "nonce"}``."""
+    return msgpack.packb({"v": PING_VERSION, "nonce": nonce})
+
+
+def unpack_ping(data: bytes) -> bytes:
+    """The nonce of a ``Ping`` message; :class:`ProtocolError` for anything else."""
+    if not isinstance(data, bytes) or len(data) > PING_MAX_BYTES:
+        raise ProtocolError("a Ping message is not bytes or longer than it may be")
+    try:
+        msg = msgpack.unpackb(data)
+    except Exception as e:
+        raise ProtocolError(f"a Ping message is not msgpack: {e}") from None
+    if not isinstance(msg, dict) or msg.get("v") != PING_VERSION:
+        raise ProtocolError(f"a Ping message of another version or shape: {msg!r:.80}")
+    nonce = msg.get("nonce")
+    if not isinstance(nonce, bytes) or not 0 < len(nonce) <= 32:
+        raise ProtocolError("a Ping message without a nonce of 1-32 bytes")
+    return nonce
+
+
+def ping_handler(request: bytes, context: grpc.ServicerContext) -> bytes:
+    """The ``Ping`` method: echoes the nonce. It proves that a new call's bytes cross the connection both ways (a
+    wedged HTTP/2 connection can still answer transport pings); it touches no transfer and needs no lease."""
+    try:
+        return pack_ping(unpack_ping(request))
+    except ProtocolError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
 def call_metadata(secret: auth.ClusterSecret, lease: Lease) -> tuple[tuple[str, str | bytes], ...]:

@@ -8,12 +8,13 @@ import time
 from concurrent import futures
 
 import grpc
+import msgpack
 import pytest
 import torch
 
 from duet_bench.chaos.proxy import FaultProxy
 from kv_transfer import KVPoll, ProtocolError, frames
-from kv_transfer.grpc.server import PUSH, unpack_summary
+from kv_transfer.grpc.server import PING, PUSH, pack_ping, unpack_ping, unpack_summary
 from tests.kv_transfer.kvutil import Collector, inject_after_layer0, make_kv, make_layout, make_manager, wait_until
 
 HUGE = 1 << 40  # what a forged header may name
@@ -126,7 +127,9 @@ def test_a_wedged_link_is_replaced_and_a_healthy_one_kept() -> None:
         lease = decode.lease("unfinished", num_blocks=2, layout=layout, deadline_s=time.time() + 1.0)
         receiver, sender = decode.expect(lease, Collector()), prefill.sender(lease)
         assert receiver.wait(10) is KVPoll.FAILED and sender.wait(10) is KVPoll.FAILED
-        assert wait_until(lambda: sender.call.done(), 10) and prefill.links_replaced == 0
+        assert wait_until(lambda: sender.call.done(), 10)
+        assert wait_until(lambda: not any(link.probing for link in list(prefill._links)), 10)  # the link answered
+        assert prefill.links_replaced == 0 and proxy.connections == 1
         proxy.set_mode("stall")
         assert not _transfer(decode, prefill, "stalled", deadline_s=1.0)
         assert wait_until(lambda: prefill.links_replaced == 1, 10)
@@ -137,6 +140,56 @@ def test_a_wedged_link_is_replaced_and_a_healthy_one_kept() -> None:
         prefill.close()
         decode.close()
         proxy.close()
+
+
+def test_a_sender_made_while_its_link_is_probed_dials_afresh() -> None:
+    """A transfer fails on a stalled link, so the link is probed; a sender made meanwhile does not wait for the
+    verdict: it dials a fresh channel. The probe answers once the bytes flow again, so nothing counts as replaced,
+    and the probed channel, retired, is closed once idle (no transfer is left on it)."""
+    proxy = FaultProxy()
+    decode, prefill = make_manager("grpc"), make_manager("grpc", proxy=proxy.address, probe_s=10.0)
+    try:
+        assert _transfer(decode, prefill, "warm")
+        layout = make_layout("float32")
+        proxy.set_mode("stall")
+        assert not _transfer(decode, prefill, "stalled", deadline_s=1.0)
+        old = prefill._channels[decode.endpoint]
+        assert wait_until(lambda: old.probing, 5)
+        lease = decode.lease("fresh", num_blocks=2, layout=layout, deadline_s=time.time() + 10)
+        sink = Collector()
+        receiver, sender = decode.expect(lease, sink), prefill.sender(lease)
+        assert prefill._channels[decode.endpoint] is not old and old.retired
+        for layer in range(layout.num_layers):
+            sender.send_layer(layer, *make_kv(layout, 2, seed=5, layer=layer))
+        sender.finish({"n": 1})
+        proxy.set_mode("forward")
+        assert sender.wait(10) is KVPoll.SUCCESS and receiver.wait(10) is KVPoll.SUCCESS
+        assert sink.matches(layout, 2, seed=5) and proxy.connections == 2
+        assert wait_until(lambda: old.closed, 10) and prefill.links_replaced == 0
+        assert old not in prefill._links
+    finally:
+        prefill.close()
+        decode.close()
+        proxy.close()
+
+
+def test_ping_echoes_its_nonce_and_refuses_anything_else() -> None:
+    """The probe method answers a versioned msgpack nonce with the same nonce, without a lease; anything else ends
+    INVALID_ARGUMENT, and the data plane goes on."""
+    decode = make_manager("grpc")
+    try:
+        with grpc.insecure_channel(decode.endpoint) as channel:
+            ping = channel.unary_unary(PING)
+            assert unpack_ping(ping(pack_ping(b"n0nce"), timeout=5)) == b"n0nce"
+            for bad in (b"", b"\xc1", msgpack.packb({"v": 2, "nonce": b"x"}), msgpack.packb({"v": 1}),
+                        msgpack.packb({"v": 1, "nonce": b"x" * 33}), b"x" * 1000):
+                with pytest.raises(grpc.RpcError) as e:
+                    ping(bad, timeout=5)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        with pytest.raises(ProtocolError):
+            unpack_ping(msgpack.packb([1, 2]))
+    finally:
+        decode.close()
 
 
 @pytest.mark.parametrize("seed", [0, 3])
