@@ -1,14 +1,15 @@
 """Qwen3.5-MoE figures, Duet against transformers' ``Qwen3_5MoeForConditionalGeneration`` in the same run.
 
 ``duet bench engine --model qwen3.5-moe [MODEL_DIR]`` (:func:`run_engine`): per case (a text prompt, a one-image
-prompt), TTFT (``max_tokens=1``) and TPOT (``(finish - first token) / (n - 1)`` over ``n`` greedy tokens) of the local
-engine, and of transformers' ``generate`` (TTFT: ``max_new_tokens=1``; TPOT: ``(wall(n) - wall(1)) / (n - 1)``, its
-own torch GDN kernels: chunked prefill, recurrent decode). Also what a hand-off of each prompt moves: KV bytes (the
+prompt), TTFT and TPOT of the local engine and of transformers' ``generate`` (its own torch GDN kernels: chunked
+prefill, recurrent decode), both read off the same clock: TTFT is the wall time of a one-token request, preprocessing
+(the image processor) included, and TPOT is ``(wall(n) - wall(1)) / (n - 1)`` over ``n`` greedy tokens. Also what a hand-off of each prompt moves: KV bytes (the
 attention layers' blocks) vs state bytes (every GDN layer's conv window and recurrent state, raw).
 
-``duet bench transfer --model qwen3.5-moe [MODEL_DIR]`` (:func:`run_transfer`): per prompt length, TTFT of the local
-engine, of transformers and of a 1 prefill + 1 decode cluster per transport, with the KV and state bytes the decode
-side received and the transfer time left exposed after prefill's last layer.
+``duet bench transfer --model qwen3.5-moe [MODEL_DIR]`` (:func:`run_transfer`): per prompt length, TTFT (the wall
+time of a one-token request, each side warmed up first) of the local engine, of transformers and of a 1 prefill + 1
+decode cluster per transport, with the KV and state bytes the decode side received and the transfer time left
+exposed after prefill's last layer.
 
 Rounds alternate which side goes first; the table quotes medians over ``--repeat`` rounds (the machine may be
 shared: the load average is recorded). Fresh random ids and pixels every round (prefix caching is off for hybrid
@@ -22,6 +23,7 @@ import datetime as dt
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -103,13 +105,23 @@ def hf_wall(model, processor, image_token_id: int, prompt: dict, n: int) -> floa
     return time.perf_counter() - t0
 
 
-def duet_times(llm, prompt: dict, n: int) -> tuple[float, float]:
-    """(TTFT s, TPOT s) of one request of ``n`` greedy tokens."""
+def duet_wall(llm, prompt: dict, n: int) -> float:
+    """Wall seconds of one request of ``n`` greedy tokens, preprocessing (the image processor) included: the clock
+    :func:`hf_wall` reads for transformers, so both sides' TTFT and TPOT mean the same thing."""
     from engine import SamplingParams
 
+    t0 = time.perf_counter()
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
-    m = out.metrics
-    return m.ttft_s, (m.finished_time - m.first_token_time) / max(n - 1, 1)
+    elapsed = time.perf_counter() - t0
+    assert len(out.outputs[0].token_ids) == n, (len(out.outputs[0].token_ids), n)
+    return elapsed
+
+
+def ttft_tpot(wall: Callable[[int], float], n: int) -> tuple[float, float]:
+    """(TTFT s, TPOT s) from a side's wall clock: a one-token request's wall time, and the ``n``-token request's
+    extra time per extra token. The same for Duet and transformers."""
+    one = wall(1)
+    return one, (wall(n) - one) / max(n - 1, 1)
 
 
 def handoff_bytes(engine, prompt_len: int) -> dict:
@@ -133,19 +145,16 @@ def run_engine(args: argparse.Namespace) -> int:
     llm = LLM(model_dir, dtype=args.dtype, device=args.device, max_model_len=2048)
     hf = load_hf(model_dir, args.dtype)
     warm = prompts.make(8, 0, 1 << 30)
-    duet_times(llm, warm, 2), hf_wall(hf, prompts.processor, prompts.image_token_id, warm, 2)
+    duet_wall(llm, warm, 2), hf_wall(hf, prompts.processor, prompts.image_token_id, warm, 2)
     results = {}
     for name, (text, side) in cases.items():
         raw: dict[str, list] = {"duet": [], "hf": []}
         for r in range(rounds):
             p = prompts.make(text, side, r)
+            walls = {"duet": lambda k, p=p: duet_wall(llm, p, k),
+                     "hf": lambda k, p=p: hf_wall(hf, prompts.processor, prompts.image_token_id, p, k)}
             for who in _alternate(r, ["duet", "hf"]):
-                if who == "duet":
-                    raw["duet"].append(duet_times(llm, p, n))
-                else:
-                    one = hf_wall(hf, prompts.processor, prompts.image_token_id, p, 1)
-                    raw["hf"].append((one, (hf_wall(hf, prompts.processor, prompts.image_token_id, p, n) - one)
-                                      / max(n - 1, 1)))
+                raw[who].append(ttft_tpot(walls[who], n))
         med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for k, v in raw.items()}
         plen = len(prompts.make(text, side, 0)["prompt_token_ids"])
         results[name] = {"prompt_tokens": plen, "new_tokens": n, **handoff_bytes(llm.engine, plen),
@@ -192,13 +201,16 @@ def run_transfer(args: argparse.Namespace) -> int:
     cfg = dict(num_kv_blocks=(max(lens) // 16 + 2) * 4, block_size=16, max_num_seqs=4, max_model_len=max(lens) + 8)
     llm = LLM(model_dir, dtype="float32", **cfg)
     hf = load_hf(model_dir, "float32")
-    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     local = {L: {"duet": [], "hf": []} for L in lens}
+    warm = prompts.make(8, 0, 1 << 30)
+    duet_wall(llm, warm, 1), hf_wall(hf, prompts.processor, prompts.image_token_id, warm, 1)
     for r in range(rounds):
         for L in lens:
             p = prompts.make(L, 0, r)
-            local[L]["duet"].append(duet_times(llm, p, 1)[0])
-            local[L]["hf"].append(hf_wall(hf, prompts.processor, prompts.image_token_id, p, 1))
+            for who in _alternate(r, ["duet", "hf"]):  # each side warm, neither always first
+                local[L][who].append(duet_wall(llm, p, 1) if who == "duet"
+                                     else hf_wall(hf, prompts.processor, prompts.image_token_id, p, 1))
     clusters: dict[str, dict[int, list[dict]]] = {}
     for transport in transports:
         c = DisaggCluster(ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport=transport,
@@ -208,8 +220,10 @@ def run_transfer(args: argparse.Namespace) -> int:
             clusters[transport] = {L: [] for L in lens}
             for r in range(rounds):
                 for L in lens:
-                    got = c.generate_batch([prompts.make(L, 0, r)], greedy)[0]
-                    clusters[transport][L].append({"ttft_s": got.ttft_s, **got.kv_transfer})
+                    p = prompts.make(L, 0, r)
+                    t0 = time.perf_counter()
+                    got = c.generate_batch([p], greedy)[0]
+                    clusters[transport][L].append({"ttft_s": time.perf_counter() - t0, **got.kv_transfer})
             held = c.check_no_leaks()
         finally:
             c.shutdown()

@@ -13,13 +13,14 @@ import time
 import pytest
 
 from duet_bench.engine_workload import make_workload, scenario_specs, usable_token_ids
-from duet_bench.peer import PeerError, alternate, parse_peer_output, run_peer, summarize
+from duet_bench.peer import PeerError, alternate, check_against_wall, parse_peer_output, run_peer, summarize
 from cluster.cli.main import main
 from duet_testing.checkpoints import TinySpec, make_tiny_checkpoint
 
 CASES = ["uniform1", "uniform32", "mixed"]
 
-# Checks the workload file as vllm-peer reads it, logs each call, prints tok/s = useful tokens / 0.1 s.
+# Checks the workload file as vllm-peer reads it, logs each call (and the dtype / device it was given), spends 2 ms
+# per useful token and prints 500 tok/s per case; "liar" spends the same time and prints 20x that.
 FAKE_PEER = textwrap.dedent("""
     import json, os, sys, time
     mode = os.environ.get("FAKE_PEER_MODE", "ok")
@@ -30,7 +31,8 @@ FAKE_PEER = textwrap.dedent("""
         for prompt, n in reqs:
             assert all(isinstance(t, int) for t in prompt) and isinstance(n, int) and n > 0
     with open(os.environ["FAKE_PEER_LOG"], "a") as f:
-        f.write(json.dumps({"t": time.time(), "workload": workload}) + "\\n")
+        f.write(json.dumps({"t": time.time(), "workload": workload, "dtype": os.environ.get("DUET_PEER_DTYPE"),
+                            "device": os.environ.get("DUET_PEER_DEVICE")}) + "\\n")
     if mode == "fail":
         print("peer exploded: CUDA is not a CPU", file=sys.stderr); sys.exit(3)
     if mode == "garbage":
@@ -38,7 +40,12 @@ FAKE_PEER = textwrap.dedent("""
     if mode == "hang":
         time.sleep(60)
     print("loading model ...")
-    print(json.dumps({name: sum(n for _, n in reqs) / 0.1 for name, reqs in cases.items()}))
+    figures = {}
+    for name, reqs in cases.items():
+        useful = sum(n for _, n in reqs)
+        time.sleep(0.002 * useful)  # 500 tok/s
+        figures[name] = useful / 0.002 / useful * (20 if mode == "liar" else 1)
+    print(json.dumps(figures))
 """)
 
 
@@ -68,7 +75,10 @@ def test_side_by_side_end_to_end(tiny_dir, peer_cmd, tmp_path, capsys):
     assert [r["order"] for r in doc["rounds"]] == [["duet", "peer"], ["peer", "duet"], ["duet", "peer"]]
     specs, token_ids = scenario_specs(quick=True), usable_token_ids(tiny_dir)
     calls = _calls(tmp_path)
-    assert len(calls) == 3
+    assert len(calls) == 4  # the baseline (one short one-token request per case), then a run per round
+    baseline, calls = json.loads(open(calls[0]["workload"]).read()), calls[1:]
+    assert list(baseline) == CASES and all(len(v) == 1 and v[0][1] == 1 and len(v[0][0]) <= 8
+                                           for v in baseline.values())
     for r, call in enumerate(calls):  # the workload file: the bench's own prompts of round r, in vllm-peer's format
         sent = json.loads(open(call["workload"]).read())
         assert list(sent) == CASES
@@ -76,10 +86,15 @@ def test_side_by_side_end_to_end(tiny_dir, peer_cmd, tmp_path, capsys):
             w = make_workload(specs[c], token_ids, 0, variant=r)
             assert sent[c] == [[p, n] for p, n in zip(w.prompts, w.max_tokens, strict=True)]
     assert calls[0]["workload"] != calls[1]["workload"]  # fresh prompts every round
+    assert all(call["dtype"] == "float32" and call["device"] == "cpu" for call in calls)
+    assert doc["peer"]["env"] == {"DUET_PEER_DTYPE": "float32", "DUET_PEER_DEVICE": "cpu"}
+    assert doc["peer"]["baseline_wall_s"] > 0
+    for t in doc["peer"]["times"]:  # the figures' implied time fits in the process's wall time
+        assert 0 < t["implied_s"] <= t["wall_s"]
     assert list(doc["side_by_side"]) == CASES
     for c, s in doc["side_by_side"].items():
         assert len(s["duet_tokens_per_s"]) == len(s["peer_tokens_per_s"]) == 3
-        assert s["peer_median"] == pytest.approx(s["useful_tokens"] / 0.1)
+        assert s["peer_median"] == pytest.approx(500)
         assert s["ratio"] == pytest.approx(s["duet_median"] / s["peer_median"]) and s["duet_median"] > 0
         assert [r["peer"][c] for r in doc["rounds"]] == s["peer_tokens_per_s"]
     table = capsys.readouterr().out
@@ -131,6 +146,21 @@ def test_failing_peer_is_a_clear_error(tiny_dir, peer_cmd, tmp_path, monkeypatch
     workload.write_text(json.dumps({c: [[[1, 2, 3], 2]] for c in CASES}))
     with pytest.raises(PeerError, match=why):
         run_peer(peer_cmd, tiny_dir, workload, CASES, timeout_s=60)
+
+
+def test_a_peer_that_overstates_its_speed_is_refused(tiny_dir, peer_cmd, tmp_path, monkeypatch):
+    """Figures 20x what the peer's own wall time allows (the work added 3 s to its run; they imply 0.15 s): refused,
+    where an honest peer's pass."""
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps({c: [[[1, 2, 3], 500]] for c in CASES}))
+    useful = {c: 500 for c in CASES}
+    got = run_peer(peer_cmd, tiny_dir, workload, CASES, timeout_s=60, useful_tokens=useful, baseline_s=0.0)
+    assert got["_implied_s"] == pytest.approx(3.0) and got["_wall_s"] >= 3.0
+    monkeypatch.setenv("FAKE_PEER_MODE", "liar")
+    with pytest.raises(PeerError, match="overstate its speed"):
+        run_peer(peer_cmd, tiny_dir, workload, CASES, timeout_s=60, useful_tokens=useful, baseline_s=0.0)
+    with pytest.raises(PeerError, match="cannot be tokens / wall seconds"):
+        check_against_wall({"uniform1": 1.0}, {"uniform1": 100}, wall_s=10.0)
 
 
 def test_hanging_peer_times_out_and_is_killed(tiny_dir, peer_cmd, tmp_path, monkeypatch):

@@ -44,3 +44,21 @@ def test_transfer_bench_qwen35(ray_cluster, model_dir, tmp_path, capsys):
         assert r["gloo"]["state_bytes"] == t.state_bytes_per_seq(torch.float32) and r["gloo"]["state_frames"] == 3
         assert r["gloo"]["kv_bytes"] == -(-int(length) // 16) * 16 * t.kv_bytes_per_token(torch.float32)
     assert "state KiB" in capsys.readouterr().out
+
+
+def test_both_sides_read_the_same_clock():
+    """TTFT is a one-token request's wall time and TPOT the n-token request's extra time per extra token, for Duet
+    as for transformers; Duet's wall time spans the whole generate call (its preprocessing included)."""
+    import time
+    from types import SimpleNamespace
+
+    from duet_bench.qwen35_bench import duet_wall, ttft_tpot
+
+    assert ttft_tpot({1: 0.5, 5: 0.9}.__getitem__, 5) == pytest.approx((0.5, 0.1))
+
+    class SlowPreprocessing:  # generate() spends 50 ms before its engine runs, then returns n tokens
+        def generate(self, prompts, params):
+            time.sleep(0.05)
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * params.max_tokens)])]
+
+    assert duet_wall(SlowPreprocessing(), {"prompt_token_ids": [1, 2]}, 3) >= 0.05
