@@ -10,9 +10,12 @@ import logging
 import threading
 import time
 
+import torch
+
 from engine import EngineConfig
 from kv_transfer import ClusterSecret, Lease, get_manager_class
 from node_common import messages, prompt_wire
+from node_common.core_share import CoreShare
 from node_common.worker_actor import WorkerActorBase
 from prefill_node.worker import PrefillWorker
 
@@ -23,10 +26,14 @@ class PrefillActor(WorkerActorBase):
     role = "prefill"
 
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *, num_threads: int = 1,
-                 cpus: list[int] | None = None, nice: int = 0, stream_layers: bool = True,
+                 cpus: list[int] | None = None, nice: int = 0, adaptive_threads: bool = False, stream_layers: bool = True,
                  compression: dict | None = None, secret: ClusterSecret | None = None, insecure: bool = False,
                  kv_proxy: str | None = None) -> None:
         self._init_common(worker_id, num_threads, cpus, nice)
+        # adaptive_threads: a worker sharing its cores with decode workers (below them in priority) runs each step on
+        # the threads they leave free (node_common.core_share); thread_changes counts the switches
+        self.adaptive_threads, self.thread_changes = adaptive_threads and self.num_threads > 1, 0
+        self._threads_now = self.num_threads  # the loop thread's OpenMP threads for its current step
         # secret: the cluster's data-plane key, a constructor argument pickled by Ray; without one a cross-process
         # transport refuses to start (MissingSecret) unless insecure (data_plane_auth "off") says so; kv_proxy: the spec's (validated against the transport's dials_through_proxy)
         via = {"proxy": kv_proxy} if kv_proxy else {}
@@ -85,7 +92,9 @@ class PrefillActor(WorkerActorBase):
                                  kv_pool_bytes=kv.pool_bytes, kv_mirror_bytes=kv.mirror_bytes,
                                  kv_state_bytes=kv.state_bytes, prefix_cache_off=e.prefix_caching_off_reason,
                                  kv_refused=self.manager.refused(), kv_links_replaced=getattr(self.manager, "links_replaced", 0),
-                                 cpu_s=time.process_time())  # every thread's: compute, intake, KV sends
+                                 cpu_s=time.process_time(),  # every thread's: compute, intake, KV sends
+                                 threads=torch.get_num_threads() if self.thread is threading.current_thread()
+                                 else self._threads_now, thread_changes=self.thread_changes)
 
     def inject_fault(self, kind: str, value: float) -> None:
         """Tests only: ``layer_delay_s`` (seconds after each layer's compute) or ``corrupt_next`` (count)."""
@@ -104,10 +113,16 @@ class PrefillActor(WorkerActorBase):
         self.manager.close()
 
     def _loop(self) -> None:
+        share = CoreShare(self.num_threads) if self.adaptive_threads else None
+        threads = self.num_threads
         while not self.stopped:
             with self.lock:
                 busy = self.worker.has_work()
                 if busy:
+                    if share is not None and share.threads() != threads:  # what the other workers left free
+                        threads = self._threads_now = share.threads()
+                        torch.set_num_threads(threads)
+                        self.thread_changes += 1
                     try:
                         self.worker.step()
                     except Exception:  # never let one bad step kill the worker; fail what was in flight

@@ -47,6 +47,9 @@ class ClusterSpec:
     # shared out over the prefill workers, at a lower scheduling priority (nice PREFILL_NICE): decode steps come
     # first and prefill takes every core they leave idle; otherwise max(1, int(cpus_per_worker))
     prefill_threads: int | None = None
+    # ... and there (prefill_threads None, sharing the node with decode workers): each step takes the threads the
+    # other workers leave free (node_common.core_share), all of them when decode is idle, fewer while it steps
+    prefill_adaptive_threads: bool = True
     decode_threads: int | None = None  # torch threads of each decode worker (None: max(1, int(cpus_per_worker)))
     # Qwen3-VL prefill workers run the vision tower in slices of about this many seconds ahead of scheduling
     # (EngineConfig.vision_slice_s), so a text prompt arriving during a large image's encoding waits one slice, not
@@ -243,17 +246,20 @@ class ClusterSpec:
 
 
 def prefill_threads(spec: ClusterSpec, nodes: int, cores: int | None = None) -> dict[str, int]:
-    """``{"num_threads", "nice"}`` of each prefill worker (``ClusterSpec.prefill_threads``). On CPU workers of a
-    one-node cluster, not pinned and not set: the node's ``cores`` shared out over the prefill workers, at nice
-    ``PREFILL_NICE`` so the decode workers' steps come first. E.g. 2 cores, 1 prefill + 1 decode: 2 threads at nice
-    10 (the decode worker keeps its 1 thread at normal priority)."""
+    """``{"num_threads", "nice", "adaptive_threads"}`` of each prefill worker (``ClusterSpec.prefill_threads``). On
+    CPU workers of a one-node cluster, not pinned and not set: the node's ``cores`` shared out over the prefill
+    workers, at nice ``PREFILL_NICE`` so the decode workers' steps come first, each step on the threads the others
+    leave free (``prefill_adaptive_threads``). E.g. 2 cores, 1 prefill + 1 decode: up to 2 threads at nice 10 (the
+    decode worker keeps its 1 thread at normal priority), 1 while decode steps."""
     if spec.prefill_threads is not None:
-        return {"num_threads": spec.prefill_threads, "nice": 0}
+        return {"num_threads": spec.prefill_threads, "nice": 0, "adaptive_threads": False}
     own = max(1, int(spec.cpus_per_worker))
     if spec.gpus_per_worker > 0 or spec.pin_cpus or nodes != 1:
-        return {"num_threads": own, "nice": 0}
+        return {"num_threads": own, "nice": 0, "adaptive_threads": False}
     cores = cores or os.cpu_count() or 1
-    return {"num_threads": max(own, cores // spec.num_prefill), "nice": PREFILL_NICE}
+    threads = max(own, cores // spec.num_prefill)
+    return {"num_threads": threads, "nice": PREFILL_NICE,
+            "adaptive_threads": spec.prefill_adaptive_threads and threads > 1}
 
 
 def shared_core_options(threads: dict[str, int]) -> dict:

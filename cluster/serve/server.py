@@ -98,7 +98,8 @@ class Server:
 
     def ready_line(self) -> str:
         spec, threads = self.cluster.spec, self.cluster.pool.prefill_threads
-        shared = f" (nice {threads['nice']}: decode first)" if threads["nice"] else ""
+        shared = (f" (nice {threads['nice']}: decode first"
+                  f"{', fewer while decode steps' if threads.get('adaptive_threads') else ''})") if threads["nice"] else ""
         return (f"duet serve: ready  grpc={self.grpc_target}  http={self.http_url}  model={self.service.model_name}  "
                 f"workers={spec.num_prefill} prefill + {spec.num_decode} decode ({spec.transport})  "
                 f"prefill_threads={threads['num_threads']}{shared}"
