@@ -55,12 +55,15 @@ def tools_from_body(body: dict) -> ToolRequest | None:
     """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` of a chat body (None without tools); raises
     :class:`~engine.errors.InvalidRequestError` naming the field."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None and (not isinstance(tools, list) or len(tools) > MAX_TOOLS):  # "" or 0 is no list either
+        raise InvalidRequestError(f"'tools' must be a list of at most {MAX_TOOLS} tools")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequestError("'parallel_tool_calls' must be a boolean")
     if not tools:
         if choice not in (None, "none", "auto"):
             raise InvalidRequestError("'tool_choice' needs 'tools'")
         return None
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise InvalidRequestError(f"'tools' must be a list of at most {MAX_TOOLS} tools")
     functions = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
@@ -74,9 +77,6 @@ def tools_from_body(body: dict) -> ToolRequest | None:
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise InvalidRequestError("'tools' has two functions with the same name")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise InvalidRequestError("'parallel_tool_calls' must be a boolean")
     req = ToolRequest(functions, parallel=parallel is not False)
     if isinstance(choice, dict):
         fn = choice.get("function") if choice.get("type") == "function" else None

@@ -12,6 +12,7 @@ from cluster.serve.chat import render_chat
 from cluster.serve.openai_requests import chat_from_body
 from cluster.serve.tool_calls import ToolStream, parser_for, tools_from_body
 from engine.config import ModelConfig
+from engine.errors import InvalidRequestError
 from engine.grammar import validate
 from engine.tokenizer import Tokenizer
 
@@ -95,3 +96,15 @@ def test_a_template_without_tools_gets_them_in_the_model_syntax():
     assert "<tool_response>\nsunny\n</tool_response>" in text
     plain = [{"role": "user", "content": "hi"}]
     assert render_chat(tok, cfg, plain) == tok.apply_chat_template(plain)  # no tools: unchanged
+
+
+@pytest.mark.parametrize("body", [{"tools": ""}, {"tools": 0}, {"tools": {}}, {"tools": False},
+                                  {"tools": [WEATHER], "parallel_tool_calls": "yes"},
+                                  {"parallel_tool_calls": 1}],
+                         ids=["empty-string", "zero", "object", "false", "parallel-string", "parallel-without-tools"])
+def test_falsy_or_mistyped_tool_fields_are_refused_not_ignored(body):
+    """``tools`` that is no list (an empty string included) and a non-boolean ``parallel_tool_calls`` are 400s
+    (the HTTP fuzz's negative mode sent ``"tools": ""`` and got a 200); absent or an empty list means no tools."""
+    with pytest.raises(InvalidRequestError):
+        tools_from_body(body)
+    assert tools_from_body({"tools": []}) is None and tools_from_body({"tools": None}) is None
