@@ -74,3 +74,4 @@ def test_the_real_proc_reads():
     share = CoreShare(2)
     assert 1 <= share.threads() <= 2
     assert core_share._machine_busy_ticks() is not None and core_share._own_ticks() >= 0
+
