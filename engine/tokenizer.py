@@ -136,19 +136,30 @@ class Tokenizer:
             return None
         try:
             import jinja2
-            import jinja2.ext
-            import jinja2.sandbox
         except ImportError:
             return None
+        try:
+            return self._compiled_template().render(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self._special)
+        except jinja2.TemplateError as err:
+            raise InvalidRequestError(f"chat template failed: {err}") from None
+
+    def _compiled_template(self):
+        """The chat template compiled once per template text (compiling it took ~2 ms a request on the Qwen3-VL
+        template, most of the render); a template that fails to compile raises each time it is used."""
+        import jinja2.ext
+        import jinja2.sandbox
+
+        cached = self.__dict__.get("_template_cache")
+        if cached is not None and cached[0] == self.chat_template:
+            return cached[1]
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                            extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_template_error
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self._special)
-        except jinja2.TemplateError as err:
-            raise InvalidRequestError(f"chat template failed: {err}") from None
+        template = env.from_string(self.chat_template)
+        self._template_cache = (self.chat_template, template)  # one tuple: a reader never sees half an update
+        return template
 
 
 class IncrementalDetokenizer:

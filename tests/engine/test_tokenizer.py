@@ -314,3 +314,20 @@ def test_incremental_detokenizer_property(bytelevel_tokenizer: Tokenizer, text: 
 @pytest.fixture(scope="module")
 def bytelevel_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return Tokenizer.from_pretrained(_checkpoint(tmp_path_factory.mktemp("bl"), "bytelevel-bpe"))
+
+
+def test_chat_template_is_compiled_once_and_again_when_it_changes(tmp_path: Path) -> None:
+    """The template is compiled once per text (not per request); a new text is compiled afresh, and a template that
+    does not compile is a clear error on every call."""
+    path = _checkpoint(tmp_path, "bytelevel-bpe", config={"chat_template": "A:{{ messages | length }}"})
+    tok = Tokenizer.from_pretrained(path)
+    one = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(one) == "A:1"
+    compiled = tok._compiled_template()
+    assert tok.apply_chat_template(one + one) == "A:2" and tok._compiled_template() is compiled
+    tok.chat_template = "B:{{ messages[0]['content'] }}"
+    assert tok.apply_chat_template(one) == "B:hi" and tok._compiled_template() is not compiled
+    tok.chat_template = "{% for m in messages %}"  # never closed
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError, match="chat template failed"):
+            tok.apply_chat_template(one)
