@@ -208,7 +208,9 @@ def run_side_by_side(args, model_dir: Path) -> int:
         return got
 
     peer_times: list[dict[str, float]] = []
-    make = lambda r: {c: make_workload(s, token_ids, args.seed, variant=r) for c, s in specs.items()}  # noqa: E731
+    def make(r: int) -> dict[str, Workload]:
+        return {c: make_workload(s, token_ids, args.seed, variant=r) for c, s in specs.items()}
+
     base = {}
 
     def peer(r: int, ws: Mapping[str, Workload]) -> dict[str, float]:

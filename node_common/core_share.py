@@ -50,9 +50,8 @@ class CoreShare:
         self.num_threads = max(1, num_threads)
         self.cores = os.cpu_count() or 1
         self.last_others = 0.0
-        self._last: tuple[float, int, int, int] | None = None  # (monotonic, busy, total, own) at the last reading
         self._answer = self.num_threads
-        self._last = self._read()
+        self._last = self._read()  # (monotonic, busy, total, own) at the last reading, None without /proc
 
     def _read(self) -> tuple[float, int, int, int] | None:
         machine, own = _machine_busy_ticks(), _own_ticks()

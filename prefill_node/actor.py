@@ -93,8 +93,7 @@ class PrefillActor(WorkerActorBase):
                                  kv_state_bytes=kv.state_bytes, prefix_cache_off=e.prefix_caching_off_reason,
                                  kv_refused=self.manager.refused(), kv_links_replaced=getattr(self.manager, "links_replaced", 0),
                                  cpu_s=time.process_time(),  # every thread's: compute, intake, KV sends
-                                 threads=torch.get_num_threads() if self.thread is threading.current_thread()
-                                 else self._threads_now, thread_changes=self.thread_changes)
+                                 threads=self._threads_now, thread_changes=self.thread_changes)
 
     def inject_fault(self, kind: str, value: float) -> None:
         """Tests only: ``layer_delay_s`` (seconds after each layer's compute) or ``corrupt_next`` (count)."""
@@ -114,14 +113,14 @@ class PrefillActor(WorkerActorBase):
 
     def _loop(self) -> None:
         share = CoreShare(self.num_threads) if self.adaptive_threads else None
-        threads = self.num_threads
         while not self.stopped:
             with self.lock:
                 busy = self.worker.has_work()
                 if busy:
-                    if share is not None and share.threads() != threads:  # what the other workers left free
-                        threads = self._threads_now = share.threads()
-                        torch.set_num_threads(threads)
+                    want = self._threads_now if share is None else share.threads()  # what the others left free
+                    if want != self._threads_now:
+                        self._threads_now = want
+                        torch.set_num_threads(want)
                         self.thread_changes += 1
                     try:
                         self.worker.step()

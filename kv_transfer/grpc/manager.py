@@ -43,8 +43,8 @@ def link_options(keepalive_s: float) -> tuple[list[tuple[str, int]], list[tuple[
     ms = max(1, int(keepalive_s * 1000))
     ping = [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", 2 * ms),
             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
-    channel = ping + [("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 500),
-                      ("grpc.max_reconnect_backoff_ms", 2000)]
+    channel = ping + [("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconnect_backoff_ms", 100),
+                      ("grpc.min_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
     server = ping + [("grpc.http2.min_ping_interval_without_data_ms", ms // 2),
                      ("grpc.http2.max_ping_strikes", 0)]
     return channel, server
