@@ -18,6 +18,8 @@ import logging
 import threading
 import time
 
+import torch
+
 from decode_node.expert_group import ExpertGroup, host_store
 from decode_node.expert_parallel import ExpertParallelConfig
 from decode_node.expert_slots import SlotTable
@@ -27,6 +29,7 @@ from engine import EngineConfig
 from engine.errors import DuetError
 from kv_transfer import DEFAULT_LEASE, ClusterSecret, LeasePolicy, get_manager_class
 from node_common import messages, prompt_wire
+from node_common.core_share import CoreShare
 from node_common.events import DecodeEvent
 from node_common.worker_actor import WorkerActorBase
 
@@ -41,8 +44,12 @@ class DecodeActor(WorkerActorBase):
                  lease_min_rate_bps: float = DEFAULT_LEASE.min_rate_bps,
                  compression: dict | None = None, expert_parallel: dict | None = None,
                  expert_tiers: dict | None = None, secret: ClusterSecret | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, local_prefill_threads: int = 0) -> None:
         self._init_common(worker_id, num_threads, cpus)
+        # steps that prefill a prompt admitted here (admit_local) take up to this many threads, as many as the
+        # rest of the machine leaves free (node_common.core_share); 0: num_threads, like every step
+        self.local_prefill_threads = local_prefill_threads
+        self.local_steps = 0  # steps that prefilled a prompt admitted here
         # secret: the cluster's data-plane key, a constructor argument pickled by Ray; without one a cross-process
         # transport refuses to start (MissingSecret) unless insecure (data_plane_auth "off") says so
         self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret, insecure=insecure)
@@ -111,6 +118,19 @@ class DecodeActor(WorkerActorBase):
         self.wake.set()
         return messages.pack(lease=lease.to_dict(), free_blocks=self.worker.free_blocks)
 
+    def admit_local(self, msg: bytes) -> bytes:
+        """``{request_id, prompt, params}`` -> ``{free_blocks}``: prefill this text prompt here and decode it
+        (:meth:`decode_node.worker.DecodeWorker.admit_local`); a typed error reply leaves nothing behind."""
+        try:
+            m = messages.unpack(msg)
+            with self.lock:
+                self.worker.admit_local(m["request_id"], prompt_wire.prompt_from_wire(m["prompt"]),
+                                        messages.params_from_dict(m["params"]))
+        except messages.REPLY_ERRORS as e:
+            return messages.error_reply(e)
+        self.wake.set()
+        return messages.pack(free_blocks=self.worker.free_blocks)
+
     def abort(self, request_id: str) -> bool:
         with self.lock:
             return self.worker.abort(request_id)
@@ -154,6 +174,7 @@ class DecodeActor(WorkerActorBase):
                                  kv_pool_bytes=kv.pool_bytes, kv_mirror_bytes=kv.mirror_bytes,
                                  kv_state_bytes=kv.state_bytes, running=len(e.scheduler.running),
                                  step_s=self.worker.step_s, cpu_s=time.process_time(),
+                                 local_steps=self.local_steps,
                                  experts=experts, expert_tiers=tiers, kv_refused=self.manager.refused(),
                                  kv_endpoint=self.manager.endpoint)
 
@@ -171,9 +192,19 @@ class DecodeActor(WorkerActorBase):
     def _loop(self) -> None:
         if self.worker.ep is not None:
             return self._group_loop()
+        share = CoreShare(self.local_prefill_threads) if self.local_prefill_threads > self.num_threads else None
+        threads = self.num_threads
         while not self.stopped:
             with self.lock:
                 decoding = self.worker.engine.has_unfinished_requests()
+                local = decoding and self.worker.local_prefilling
+                self.local_steps += local
+                if share is not None:  # a step with a local prefill takes the cores the others leave free
+                    free = share.threads()  # read every turn: the window is then the last few steps
+                    want = max(self.num_threads, free) if local else self.num_threads
+                    if want != threads:
+                        threads = want
+                        torch.set_num_threads(want)
                 events = self._step() if decoding or self.worker.receiving else []
             self._publish(events)
             self.lock.give_way()  # an allocate or abort that waited for this step goes before the next one

@@ -49,14 +49,16 @@ class Reported:
 class DecodeRequest:
     """One request on a decode worker, from ``allocate`` until it finishes, is aborted or fails.
 
-    ``receiver`` is its transfer while the KV is arriving (RECEIVING) and None once committed to the batch.
+    ``receiver`` is its transfer while the KV is arriving (RECEIVING) and None once committed to the batch. A
+    request this worker prefills itself (``local``: ``DecodeWorker.admit_local``) has neither lease nor receiver.
     """
 
     request_id: str
-    lease: Lease
+    lease: Lease | None
     receiver: KVReceiver | None
     clock: TransferClock
     reported: Reported = field(default_factory=Reported)
+    local: bool = False
 
     @property
     def receiving(self) -> bool:

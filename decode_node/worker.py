@@ -49,7 +49,8 @@ from decode_node.expert_tiers import ExpertTiers, TierConfig
 from decode_node.request_state import DecodeRequest, StepReport, TransferClock, step_events
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import DuetError, InvalidRequestError
-from engine.outputs import TokenLogprobs
+from engine.inputs import ProcessedPrompt
+from engine.outputs import RequestMetrics, TokenLogprobs
 from kv_transfer import (
     DEFAULT_LEASE,
     KVLayout,
@@ -81,6 +82,17 @@ def _first_tokens(handoff: Handoff) -> dict:
             "prompt_logprobs": None if prompt is None else [lp(w) for w in prompt],
             "choices": [(c["token"], lp(c.get("logprobs")), generator_from_state(c.get("generator_state")))
                         for c in handoff.choices]}
+
+
+def _local_stats(m: RequestMetrics) -> dict:
+    """The first token event's ``kv_transfer`` of a request prefilled on its decode worker: nothing moved; the
+    prefill stages (:mod:`cluster.control.timeline`) on this worker's clock."""
+    start = m.first_scheduled_time if m.first_scheduled_time is not None else m.arrival_time
+    done = m.first_token_time if m.first_token_time is not None else time.perf_counter()
+    stages = {"prefill_queue_s": max(0.0, start - m.arrival_time), "vision_encode_s": 0.0,
+              "prefill_compute_s": max(0.0, done - start)}
+    return {"transport": "local", "bytes": 0, "layers": 0, "seconds": 0.0, "exposed_seconds": 0.0,
+            "commit_seconds": 0.0, "state_bytes": 0, "state_frames": 0, "prefill_stages": stages}
 
 
 class DecodeWorker:
@@ -149,6 +161,30 @@ class DecodeWorker:
             raise
         self.requests[request_id] = DecodeRequest(request_id, lease, receiver, clock)
         return lease
+
+    def admit_local(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+        """Prefill a text prompt here, in this worker's own batch, instead of receiving its KV: for a host whose
+        cores the prefill and decode workers share, where a short prompt's transfer, commit and the two processes'
+        contention cost more than the prefill step itself (``ClusterSpec.local_prefill_tokens``). The request then
+        decodes like any other; its first token event carries ``kv_transfer`` with ``transport: "local"`` and the
+        prefill stages measured here. Raises InvalidRequestError for a prompt with images (this side holds no
+        pixels) or on an expert-parallel or tiered worker, and the engine's typed errors; nothing is kept then."""
+        if self.ep is not None or self.tiers is not None:
+            raise InvalidRequestError("an expert-parallel or tiered decode worker does not prefill prompts itself")
+        inputs = self.engine.inputs
+        prompt = inputs.check_processed(prompt) if isinstance(prompt, ProcessedPrompt) else inputs.process(prompt)
+        if prompt.num_visual_tokens:
+            raise InvalidRequestError("a decode worker holds no pixels: prompts with images are prefilled by a "
+                                      "prefill worker")
+        with self.recv_lock:
+            self.engine.add_request(request_id, prompt, params)
+        self.requests[request_id] = DecodeRequest(request_id, None, None, TransferClock(), local=True)
+
+    @property
+    def local_prefilling(self) -> bool:
+        """A prompt admitted by :meth:`admit_local` is waiting for, or in, its prefill."""
+        return bool(self.engine.scheduler.waiting) or any(
+            s.num_computed_tokens < s.num_prompt_tokens for s in self.engine.scheduler.running)
 
     def _sink(self, request_id: str, clock: TransferClock):
         def write(layer: int, k: torch.Tensor, v: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
@@ -274,6 +310,9 @@ class DecodeWorker:
         :mod:`engine.isolation`; the engine freed it) becomes a not-retryable failure instead."""
         for out in outputs:
             if out.error is None:
+                record = self.requests.get(out.request_id)
+                if record is not None and record.local and not record.reported.tokens:  # its first token
+                    report.transfers[out.request_id] = _local_stats(out.metrics)
                 report.outputs.append(out)
                 continue
             self._forget(out.request_id)

@@ -35,7 +35,7 @@ from cluster.control.delta import Delta, WorkerPair
 from cluster.control.errors import AttemptFailed, DecodeInterruptedError, RequestTimeoutError, TransferFailedError
 from cluster.control.spec import ClusterSpec
 from cluster.control.streams import DecodeStreams
-from cluster.control.worker import Assignment, Worker, call
+from cluster.control.worker import Assignment, LocalHold, Worker, call
 from cluster.control.worker_pool import WorkerPool
 from engine import SamplingParams
 from engine.config import ModelConfig
@@ -296,6 +296,11 @@ class DisaggCluster:
                        exclude_p: frozenset[str], deadline: float, attempt: int) -> AsyncIterator[Delta]:
         """One attempt on one (prefill, decode) pair; raises :class:`AttemptFailed` when another pair may do
         better, a typed error otherwise."""
+        local = self._local_decode(p, exclude_d)
+        if local is not None:
+            async for delta in self._attempt_local(rid, wire, params, p, local, deadline, attempt):
+                yield delta
+            return
         blocks = -(-len(p.token_ids) // self.spec.block_size)
         self.pool.pick_decode(blocks, exclude_d)  # fail fast when no decode worker could ever hold it
         hashes = self.admission.block_hashes(p)
@@ -325,33 +330,76 @@ class DisaggCluster:
                         if decode.alive:
                             decode.actor.abort.remote(rid)
                         raise _failed(e, "prefill", pw, pair) from None
-                    placement: WorkerPair | None = WorkerPair(time.monotonic(), **pair, admitted_at=admitted_at,
-                                                              allocated_at=allocated_at)
-                    while True:
-                        ev = await self.streams.next(inbox, rid, deadline, gone=lambda: a.prefill_gone())
-                        if isinstance(ev, RequestFailed):  # decode dropped it, or its prefill worker died first
-                            a.abort(rid)
-                            if not ev.retryable:  # its own fault in a worker step: another pair would meet it too
-                                raise RequestFailedError(f"request {rid} failed: {ev.reason}")
-                            raise AttemptFailed(ev.reason, **pair)
-                        if ev.token_ids:
-                            if placement is not None:  # the first: what its prefill cost, stage by stage
-                                self.admission.observe_stages(len(p.token_ids), p.num_visual_tokens,
-                                                              (ev.kv_transfer or {}).get("prefill_stages"))
-                            a.first_token()
-                            yield Delta.of(ev, attempt=attempt, placement=placement)
-                            placement = None
-                        else:
-                            yield Delta.of(ev, attempt=attempt)
-                        if ev.finished:
-                            return
+                    placement = WorkerPair(time.monotonic(), **pair, admitted_at=admitted_at,
+                                           allocated_at=allocated_at)
+                    async for delta in self._relay(a, inbox, rid, deadline, attempt, placement, p):
+                        yield delta
                 except (asyncio.TimeoutError, RequestTimeoutError):
                     a.abort(rid)
-                    raise RequestTimeoutError(
-                        f"request {rid} did not finish within {self.spec.request_timeout_s:.0f} s") from None
+                    raise self._timed_out(rid) from None
                 except (DuetError, GeneratorExit, asyncio.CancelledError):
                     a.abort(rid)
                     raise
+
+    def _local_decode(self, p: Any, exclude_d: frozenset[str]) -> Worker | None:
+        """The decode worker that prefills ``p`` itself (``ClusterSpec.local_prefill_tokens``: a text prompt short
+        enough, on a worker with room for it under that many pending local prompt tokens and the most free
+        blocks), or None: the prompt goes to a prefill worker."""
+        if p.num_visual_tokens:
+            return None
+        return self.pool.pick_local_decode(len(p.token_ids), exclude_d)
+
+    async def _attempt_local(self, rid: str, wire: dict, params: SamplingParams, p: Any, decode: Worker,
+                             deadline: float, attempt: int) -> AsyncIterator[Delta]:
+        """One attempt on ``decode`` alone: it prefills the prompt in its own batch (:meth:`_local_decode`); raises
+        :class:`AttemptFailed` when another worker may do better, a typed error otherwise."""
+        pair = {"prefill_worker": decode.worker_id, "decode_worker": decode.worker_id}
+        with LocalHold(decode, len(p.token_ids)) as hold, self.streams.inbox(rid, decode.worker_id) as inbox:
+            try:
+                admitted_at = time.monotonic()
+                try:
+                    msg = messages.pack(request_id=rid, params=messages.params_to_dict(params), prompt=wire["decode"])
+                    reply = messages.unpack(await call(decode.actor.admit_local, msg, deadline))
+                except Exception as e:  # noqa: BLE001 - sorted by _failed
+                    raise _failed(e, "decode", decode, pair) from None
+                decode.load.free_blocks = reply["free_blocks"]
+                placement = WorkerPair(time.monotonic(), **pair, admitted_at=admitted_at, allocated_at=admitted_at)
+                async for delta in self._relay(hold, inbox, rid, deadline, attempt, placement, None):
+                    yield delta
+            except (asyncio.TimeoutError, RequestTimeoutError):
+                hold.abort(rid)
+                raise self._timed_out(rid) from None
+            except (DuetError, GeneratorExit, asyncio.CancelledError):
+                hold.abort(rid)
+                raise
+
+    def _timed_out(self, rid: str) -> RequestTimeoutError:
+        return RequestTimeoutError(f"request {rid} did not finish within {self.spec.request_timeout_s:.0f} s")
+
+    async def _relay(self, hold: Assignment | LocalHold, inbox: Any, rid: str, deadline: float, attempt: int,
+                     placement: WorkerPair | None, p: Any) -> AsyncIterator[Delta]:
+        """The attempt's events as deltas until its last (``p``: the prompt whose prefill-worker stages admission
+        learns from; None for a local prefill). A failure event raises :class:`AttemptFailed` (or, the request's own
+        fault, :class:`RequestFailedError`); the caller maps the deadline's errors."""
+        pair = placement.workers()
+        while True:
+            ev = await self.streams.next(inbox, rid, deadline, gone=hold.prefill_gone)
+            if isinstance(ev, RequestFailed):  # decode dropped it, or its prefill worker died first
+                hold.abort(rid)
+                if not ev.retryable:  # its own fault in a worker step: another pair would meet it too
+                    raise RequestFailedError(f"request {rid} failed: {ev.reason}")
+                raise AttemptFailed(ev.reason, **pair)
+            if ev.token_ids:
+                if placement is not None and p is not None:  # the first: what its prefill cost, stage by stage
+                    self.admission.observe_stages(len(p.token_ids), p.num_visual_tokens,
+                                                  (ev.kv_transfer or {}).get("prefill_stages"))
+                hold.first_token()
+                yield Delta.of(ev, attempt=attempt, placement=placement)
+                placement = None
+            else:
+                yield Delta.of(ev, attempt=attempt)
+            if ev.finished:
+                return
 
 
 def _failed(e: Exception, role: str, w: Worker, pair: dict[str, str]) -> BaseException:

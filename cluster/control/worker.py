@@ -48,6 +48,9 @@ class Worker:
     prefix: PrefixIndex = field(default_factory=PrefixIndex)  # prefill workers: block hashes its cache holds
     placed_tokens: int = 0  # prefill workers: prompt tokens placed here, and those predicted cached (hit rate)
     predicted_cached_tokens: int = 0
+    # decode workers: prompt tokens of the requests it prefills itself (ClusterSpec.local_prefill_tokens) that have
+    # not had their first token yet
+    local_tokens: int = 0
     dead_reason: str | None = None  # why it was marked dead (None while alive)
     # decode workers: the front-end generation it serves (cluster.control.reattach): polls carry it, so a poll a
     # dead front-end left in flight takes no event of its successor's
@@ -163,6 +166,36 @@ class Assignment:
         if self._charge is not None:
             charge, self._charge = self._charge, None
             self.admission.release(self.prefill, charge, images=self.images)
+
+
+class LocalHold:
+    """An attempt's hold on the one decode worker that prefills its prompt itself
+    (:meth:`~cluster.control.worker_pool.WorkerPool.pick_local_decode`): the request counts in flight there, and
+    its prompt tokens as pending local prefill until its first token. The same calls as :class:`Assignment`."""
+
+    def __init__(self, decode: Worker, tokens: int) -> None:
+        self.decode, self._tokens = decode, tokens  # _tokens: 0 once given back
+
+    def __enter__(self) -> LocalHold:
+        self.decode.inflight += 1
+        self.decode.local_tokens += self._tokens
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.first_token()
+        self.decode.inflight -= 1
+
+    def first_token(self) -> None:
+        """The prefill is done: its tokens leave the worker's pending local prefill (later calls do nothing)."""
+        self.decode.local_tokens -= self._tokens
+        self._tokens = 0
+
+    def prefill_gone(self) -> str | None:
+        return None  # the decode worker is its own prefill worker: its death ends the stream as a decode failure
+
+    def abort(self, rid: str) -> None:
+        if self.decode.alive:
+            self.decode.actor.abort.remote(rid)
 
 
 async def await_ref(ref: Any) -> Any:

@@ -29,11 +29,11 @@ from cluster.control.bounded import bounded
 from cluster.control.admission import pick_decode_worker
 from cluster.control.pool_healer import PoolHealer
 from cluster.control.router import WorkerLoad
-from cluster.control.spec import ClusterSpec, prefill_threads, shared_core_options
+from cluster.control.spec import ClusterSpec, local_prefill, prefill_threads, shared_core_options
 from cluster.control.streams import DecodeStreams
 from cluster.control.worker import Worker, await_ref
 from engine.config import DTYPES, TextConfig
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, OutOfBlocksError
 from kv_transfer import ClusterSecret
 from node_common import messages
 
@@ -64,7 +64,9 @@ class WorkerPool:
         self._closing = False
         self._healing: Future | None = None  # the healer's monitor (start)
         self.healer = PoolHealer(spec.heal_policy(), self)
-        self.prefill_threads = prefill_threads(spec, len([n for n in ray.nodes() if n.get("Alive")]))
+        nodes = len([n for n in ray.nodes() if n.get("Alive")])
+        self.prefill_threads = prefill_threads(spec, nodes)
+        self.local_prefill = local_prefill(spec, nodes)  # text prompts the decode workers prefill themselves
         logger.info("prefill workers: %d threads each%s", self.prefill_threads["num_threads"],
                     ", below decode in priority (sharing the node's cores)" if self.prefill_threads["nice"] else "")
         self._detached: dict[str, list[str]] = {}  # worker id -> [role, fingerprint] (spec.detached_name)
@@ -100,6 +102,19 @@ class WorkerPool:
 
     def pick_decode(self, blocks: int, exclude: frozenset[str]) -> Worker:
         return pick_decode_worker(self.decodes, blocks, draining=self._draining, exclude=exclude)
+
+    def pick_local_decode(self, tokens: int, exclude: frozenset[str]) -> Worker | None:
+        """The decode worker to prefill a text prompt of ``tokens`` tokens itself (``local_prefill``): one outside
+        ``exclude`` whose pending local prompt tokens stay within the limit with it, the most free blocks first;
+        None when the prompt is too long or no worker has room (it then goes to a prefill worker)."""
+        limit = self.local_prefill["tokens"]
+        if tokens > limit:
+            return None
+        room = [w for w in self.decodes if w.worker_id not in exclude and w.local_tokens + tokens <= limit]
+        try:
+            return pick_decode_worker(room, -(-tokens // self.spec.block_size), draining=self._draining)
+        except OutOfBlocksError:
+            return None
 
     def pool_sizes(self) -> dict[str, int]:
         """Workers per role that take new requests (draining ones excluded), counting dead ones being respawned
@@ -309,7 +324,8 @@ class WorkerPool:
         else:
             extra = {"num_threads": spec.decode_threads or common["num_threads"],
                      "lease_base_s": spec.lease_base_s, "lease_min_rate_bps": spec.lease_min_rate_bps,
-                     "expert_parallel": expert_parallel, "expert_tiers": spec.tier_config()}
+                     "expert_parallel": expert_parallel, "expert_tiers": spec.tier_config(),
+                     "local_prefill_threads": self.local_prefill["threads"]}
         shared = shared_core_options(self.prefill_threads) if role == "prefill" else {}
         return {**spec.actor_options(role), "max_concurrency": 16, **shared}, {**common, **extra}
 

@@ -92,7 +92,8 @@ def faulty_cluster(ray_cluster, tiny_model_dir):
     from cluster.control.disagg import DisaggCluster
     from cluster.control.spec import ClusterSpec
 
-    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_prefill=1, num_decode=2, num_kv_blocks=16, block_size=4,
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0,
+                       num_prefill=1, num_decode=2, num_kv_blocks=16, block_size=4,
                        max_num_seqs=4, max_model_len=128, cpus_per_worker=1, request_timeout_s=60)
     real = actor_module.DecodeActor
     actor_module.DecodeActor = _faulty_decode_actor()

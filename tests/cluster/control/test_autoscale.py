@@ -226,7 +226,8 @@ def test_cluster_hooks_add_and_drain_lose_no_request(ray_cluster, tiny_model_dir
     from engine.errors import InvalidRequestError
     from tests.conftest import greedy, make_request
 
-    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_prefill=1, num_decode=1, transport="gloo",
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0,
+                       num_prefill=1, num_decode=1, transport="gloo",
                        num_kv_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128, request_timeout_s=60)
     c = DisaggCluster(spec)
     try:

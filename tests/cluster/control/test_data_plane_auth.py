@@ -44,7 +44,8 @@ def test_stranger_is_refused_and_requests_match_local(transport, ray_cluster, ti
     import ray
 
     caplog.set_level(logging.DEBUG)
-    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_prefill=1, num_decode=1, transport=transport,
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0,
+                       num_prefill=1, num_decode=1, transport=transport,
                        num_kv_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128, request_timeout_s=60)
     c = DisaggCluster(spec)
     try:

@@ -19,7 +19,8 @@ TRANSPORTS = ["gloo", "grpc"]
 
 @pytest.fixture(scope="module", params=TRANSPORTS, ids=TRANSPORTS)
 def cluster(request, ray_cluster, tiny_model_dir):
-    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_prefill=1, num_decode=2, transport=request.param,
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0,
+                       num_prefill=1, num_decode=2, transport=request.param,
                        num_kv_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128, cpus_per_worker=1,
                        request_timeout_s=60)
     c = DisaggCluster(spec)
@@ -91,7 +92,8 @@ def test_prefill_workers_can_take_their_own_step_budget(ray_cluster, tiny_model_
     assert spec.engine_config("decode")["max_num_batched_tokens"] == 4096
     assert ClusterSpec(model_dir=str(tiny_model_dir)).engine_config("prefill")["max_num_batched_tokens"] == 4096
     # a budget smaller than the prompts: they are prefilled in chunks across steps, and stream the same KV
-    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_prefill=1, num_decode=1, num_kv_blocks=64, block_size=4,
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0,
+                       num_prefill=1, num_decode=1, num_kv_blocks=64, block_size=4,
                        max_num_seqs=8, max_model_len=128, cpus_per_worker=1, request_timeout_s=60,
                        prefill_max_batched_tokens=8)
     prompts = [make_request(20 + i, seed=30 + i, images=[make_image(i)] * (i % 2)) for i in range(3)]
@@ -109,7 +111,8 @@ def test_prefill_workers_can_take_their_own_step_budget(ray_cluster, tiny_model_
 @pytest.fixture
 def fault_cluster(ray_cluster, tiny_model_dir):
     """A fresh 2 prefill + 2 decode cluster per test (faults kill workers); short leases."""
-    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_prefill=2, num_decode=2, transport="gloo",
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0,
+                       num_prefill=2, num_decode=2, transport="gloo",
                        num_kv_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128, cpus_per_worker=1,
                        request_timeout_s=60, lease_base_s=1.5)
     c = DisaggCluster(spec)
@@ -292,7 +295,8 @@ def test_decode_failure_after_streamed_tokens_is_a_typed_retryable_error(fault_c
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("policy", ["default", "aggressive"])
 def test_compressed_kv_runs_end_to_end(ray_cluster, tiny_model_dir, transport, policy):
-    spec = ClusterSpec(model_dir=str(tiny_model_dir), transport=transport, kv_compression=policy, num_kv_blocks=64,
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0,
+                       transport=transport, kv_compression=policy, num_kv_blocks=64,
                        block_size=4, max_num_seqs=8, max_model_len=128, request_timeout_s=60)
     c = DisaggCluster(spec)
     try:
@@ -316,7 +320,8 @@ def test_requests_beyond_prefill_capacity_wait_at_the_front_end(ray_cluster, tin
     of holding leases (3 s here: a third of the ~6 s the last prompt would wait in the prefill queue) that would expire
     there. The queue bound is either configured (room for one prompt) or the default, which the front-end derives from
     the worker's measured speed (the burst's 6 prompts are within the static default of 4 x 12 tokens)."""
-    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_seqs=8,
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0,
+                       num_kv_blocks=64, block_size=4, max_num_seqs=8,
                        max_num_batched_tokens=12, max_model_len=128, request_timeout_s=60, lease_base_s=3.0,
                        max_prefill_queue_tokens=queue_tokens)
     c = DisaggCluster(spec)
@@ -339,7 +344,8 @@ def test_a_request_queued_in_its_prefill_worker_longer_than_its_lease_completes(
     """The lease's clock starts with the transfer (kv_transfer.lease): a burst the front-end admits all at once (a
     queue bound far above it) waits 3-4 s in the prefill worker's own queue (one step of ~1 s at a time), several
     times the lease's ~1 s allowance, and every request completes on its first attempt; nothing is held after."""
-    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_seqs=8,
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0,
+                       num_kv_blocks=64, block_size=4, max_num_seqs=8,
                        max_num_batched_tokens=12, max_model_len=128, request_timeout_s=60, lease_base_s=1.0,
                        max_prefill_queue_tokens=10_000)
     c = DisaggCluster(spec)
@@ -364,7 +370,8 @@ def test_pinned_workers_run_on_cores_of_their_own(ray_cluster, tiny_model_dir):
 
     from node_common import messages
 
-    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_seqs=8,
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0,
+                       num_kv_blocks=64, block_size=4, max_num_seqs=8,
                        max_model_len=128, request_timeout_s=60, pin_cpus=True)
     c = DisaggCluster(spec)
     try:

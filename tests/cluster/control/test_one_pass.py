@@ -173,7 +173,8 @@ def test_ray_cluster_sends_each_worker_its_form_and_matches_local(ray_cluster, q
         return out
 
     monkeypatch.setattr(messages, "pack", spy)
-    spec = ClusterSpec(model_dir=str(qwen_dir), num_prefill=1, num_decode=1, transport="gloo", num_kv_blocks=64,
+    spec = ClusterSpec(model_dir=str(qwen_dir), local_prefill_tokens=0,
+                       num_prefill=1, num_decode=1, transport="gloo", num_kv_blocks=64,
                        block_size=4, max_num_seqs=8, max_model_len=128, dtype="float32")
     c = DisaggCluster(spec)
     try:

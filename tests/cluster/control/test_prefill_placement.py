@@ -15,7 +15,8 @@ from tests.conftest import greedy, make_image, make_request
 
 @pytest.fixture(scope="module")
 def two_prefill(ray_cluster, tiny_model_dir):
-    spec = ClusterSpec(model_dir=str(tiny_model_dir), num_prefill=2, num_decode=2, num_kv_blocks=160, block_size=4,
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0,
+                       num_prefill=2, num_decode=2, num_kv_blocks=160, block_size=4,
                        max_num_seqs=24, max_model_len=96, cpus_per_worker=1, request_timeout_s=120)
     c = DisaggCluster(spec)
     yield c

@@ -261,7 +261,7 @@ def _spec(model_dir: Path, **kw) -> ClusterSpec:
     return ClusterSpec(model_dir=str(model_dir), **{**dict(num_prefill=1, num_decode=1, transport="gloo",
                                                             num_kv_blocks=64, block_size=4, max_num_seqs=8,
                                                             max_model_len=128, cpus_per_worker=1,
-                                                            request_timeout_s=60), **kw})
+                                                            request_timeout_s=60, local_prefill_tokens=0), **kw})
 
 
 def _assert_idle(cluster: DisaggCluster) -> None:

@@ -53,7 +53,8 @@ def want():
 def test_a_restarted_front_end_reattaches_and_serves(ray_cluster, want):
     import ray
 
-    spec = ClusterSpec(model_dir=str(default_model_dir()), num_prefill=1, num_decode=1, transport="gloo",
+    spec = ClusterSpec(model_dir=str(default_model_dir()), local_prefill_tokens=0,
+                       num_prefill=1, num_decode=1, transport="gloo",
                        num_kv_blocks=256, cpus_per_worker=1, request_timeout_s=60, detached_name="t-reattach")
     first = DisaggCluster(spec)
     try:

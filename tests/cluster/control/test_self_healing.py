@@ -73,7 +73,8 @@ def _assert_idle(cluster):
 
 
 def test_killed_prefill_and_decode_are_replaced_under_open_loop_load(ray_cluster, tiny_model_dir):
-    c = DisaggCluster(ClusterSpec(model_dir=str(tiny_model_dir), num_prefill=2, num_decode=2, **SMALL))
+    c = DisaggCluster(ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0,
+                                  num_prefill=2, num_decode=2, **SMALL))
     try:
         prompts = [make_request(6 + i % 5, seed=100 + i, images=[make_image(i % 3)] * (i % 2)) for i in range(24)]
         params = [greedy(4 + i % 4) for i in range(24)]
@@ -118,7 +119,8 @@ def test_a_crash_looping_worker_is_given_up(ray_cluster, tiny_model_dir):
 
     from cluster.serve.metrics import Metrics
 
-    c = DisaggCluster(ClusterSpec(model_dir=str(tiny_model_dir), num_prefill=1, num_decode=1, **SMALL))
+    c = DisaggCluster(ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0,
+                                  num_prefill=1, num_decode=1, **SMALL))
     try:
         for n in range(3):  # three deaths inside respawn_window_s (60 s)
             ray.kill(c.prefills[0].actor)

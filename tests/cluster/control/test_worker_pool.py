@@ -1,11 +1,12 @@
-"""How many threads a prefill worker runs and at what priority (:func:`cluster.control.worker_pool.prefill_threads`):
-pure, no Ray."""
+"""How many threads a prefill worker runs and at what priority (:func:`cluster.control.worker_pool.prefill_threads`),
+and which text prompts the decode workers prefill themselves (:func:`cluster.control.spec.local_prefill`): pure, no
+Ray."""
 
 from __future__ import annotations
 
 import pytest
 
-from cluster.control.spec import PREFILL_NICE, ClusterSpec, shared_core_options
+from cluster.control.spec import LOCAL_PREFILL_TOKENS, PREFILL_NICE, ClusterSpec, local_prefill, shared_core_options
 from cluster.control.worker_pool import prefill_threads
 from engine.errors import InvalidRequestError
 
@@ -39,3 +40,30 @@ def test_only_a_prefill_worker_sharing_cores_sleeps_its_idle_openmp_threads(tiny
 def test_thread_counts_are_validated(tiny_model_dir, name):
     with pytest.raises(InvalidRequestError, match=name):
         ClusterSpec(model_dir=str(tiny_model_dir), **{name: 0})
+
+
+def test_decode_workers_prefill_short_text_prompts_where_the_cores_are_shared(tiny_model_dir):
+    spec = ClusterSpec(model_dir=str(tiny_model_dir))
+    assert local_prefill(spec, nodes=1, cores=2) == {"tokens": LOCAL_PREFILL_TOKENS, "threads": 2}
+    mine = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=100)
+    assert local_prefill(mine, nodes=1, cores=4) == {"tokens": 100, "threads": 4}
+    off = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0)
+    assert local_prefill(off, nodes=1, cores=2) == {"tokens": 0, "threads": 0}
+
+
+@pytest.mark.parametrize("kw,nodes", [({"pin_cpus": True}, 1), ({"gpus_per_worker": 1.0}, 1), ({}, 3),
+                                      ({"prefill_threads": 1}, 1), ({"num_decode": 2, "expert_parallel": 2}, 1),
+                                      ({"expert_resident": 0.5}, 1)],
+                         ids=["pinned", "gpu", "multi-node", "prefill-threads-set", "expert-parallel", "tiered"])
+def test_elsewhere_prompts_go_to_the_prefill_pool(tiny_model_dir, kw, nodes):
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), **kw)
+    assert local_prefill(spec, nodes=nodes, cores=2)["tokens"] == 0
+    if "expert_parallel" not in kw and "expert_resident" not in kw:  # asked for: on, on the worker's own threads
+        asked = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=64, **kw)
+        assert local_prefill(asked, nodes=nodes, cores=2)["tokens"] == 64
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "512", True])
+def test_local_prefill_tokens_is_validated(tiny_model_dir, bad):
+    with pytest.raises(InvalidRequestError, match="local_prefill_tokens"):
+        ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=bad)

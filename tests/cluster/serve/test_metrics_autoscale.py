@@ -219,7 +219,8 @@ def scaled_cluster(ray_cluster):
     from cluster.control.spec import ClusterSpec
     from cluster.demo import default_model_dir
 
-    spec = ClusterSpec(model_dir=str(default_model_dir()), num_prefill=1, num_decode=1, transport="gloo",
+    spec = ClusterSpec(model_dir=str(default_model_dir()), local_prefill_tokens=0,
+                       num_prefill=1, num_decode=1, transport="gloo",
                        num_kv_blocks=256, cpus_per_worker=1, request_timeout_s=60)
     cluster = DisaggCluster(spec)
     yield cluster

@@ -82,7 +82,8 @@ def cluster(ray_cluster, model_dir):
     from cluster.control.disagg import DisaggCluster
     from cluster.control.spec import ClusterSpec
 
-    c = DisaggCluster(ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport="gloo",
+    c = DisaggCluster(ClusterSpec(model_dir=str(model_dir), local_prefill_tokens=0,
+                                  num_prefill=1, num_decode=1, transport="gloo",
                                   num_kv_blocks=128, cpus_per_worker=1, max_model_len=256, request_timeout_s=60))
     yield c
     c.shutdown()

@@ -60,7 +60,9 @@ def test_serve_prints_one_ready_line_and_drains_on_sigterm(ray_cluster, tmp_path
     try:
         line = proc.stdout.readline()  # blocks until ready (or the process dies)
         m = re.match(r"duet serve: ready  grpc=(\S+)  http=(\S+)  model=shapes  workers=1 prefill \+ 1 decode "
-                     r"\(gloo\)  prefill_threads=\d+( \(nice 10: decode first(, fewer while decode steps)?\))?$", line.rstrip("\n"))
+                     r"\(gloo\)  prefill_threads=\d+( \(nice 10: decode first(, fewer while decode steps)?\))?"
+                     r"(  text prompts <= \d+ tokens prefilled on the decode worker \(shared cores\))?$",
+                     line.rstrip("\n"))
         assert m, (line, proc.poll())
         with Client(m.group(1)) as c:
             assert c.list_models()[0]["id"] == "shapes"

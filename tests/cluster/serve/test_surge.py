@@ -29,7 +29,8 @@ def slow_cluster(ray_cluster):
     from cluster.control.disagg import DisaggCluster
     from cluster.control.spec import ClusterSpec
 
-    spec = ClusterSpec(model_dir=str(default_model_dir()), num_prefill=1, num_decode=1, transport="gloo",
+    spec = ClusterSpec(model_dir=str(default_model_dir()), local_prefill_tokens=0,
+                       num_prefill=1, num_decode=1, transport="gloo",
                        num_kv_blocks=256, cpus_per_worker=1, request_timeout_s=TIMEOUT_S, max_num_batched_tokens=64)
     cluster = DisaggCluster(spec)
     try:
