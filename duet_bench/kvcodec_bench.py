@@ -108,7 +108,8 @@ def e2e_ttft(model_dir: Path, dtype: str, policy_spec: str, transport: str, prom
     from cluster.control.spec import ClusterSpec
     from engine import SamplingParams
 
-    spec = ClusterSpec(model_dir=str(model_dir), transport=transport, dtype=dtype, kv_compression=policy_spec)
+    spec = ClusterSpec(model_dir=str(model_dir), transport=transport, dtype=dtype, kv_compression=policy_spec,
+                       local_prefill_tokens=0)  # every prompt over the wire: the codec is what this measures
     cluster = DisaggCluster(spec)
     try:
         cluster.generate_batch([prompts[0]], SamplingParams(temperature=0, max_tokens=2))  # warm-up

@@ -123,7 +123,8 @@ def _run_disagg(args: argparse.Namespace, model_dir: Path, examples) -> tuple[li
 
     spec = ClusterSpec(model_dir=str(model_dir), transport=args.kv_transport, dtype=args.dtype,
                        kv_compression=args.kv_compression, max_num_seqs=args.max_num_seqs,
-                       gpus_per_worker=1.0 if args.device.startswith("cuda") else 0.0)
+                       gpus_per_worker=1.0 if args.device.startswith("cuda") else 0.0,
+                       local_prefill_tokens=0)  # every prompt through the KV transfer and its compression
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,

@@ -214,7 +214,7 @@ def run_transfer(args: argparse.Namespace) -> int:
     clusters: dict[str, dict[int, list[dict]]] = {}
     for transport in transports:
         c = DisaggCluster(ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport=transport,
-                                      cpus_per_worker=1, request_timeout_s=120, **cfg))
+                                      cpus_per_worker=1, request_timeout_s=120, local_prefill_tokens=0, **cfg))
         try:
             c.generate_batch([prompts.make(8, 0, 1 << 30)], greedy)  # warm-up
             clusters[transport] = {L: [] for L in lens}

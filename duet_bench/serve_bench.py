@@ -178,6 +178,7 @@ def _measure_with(args: argparse.Namespace, model_dir: Path, rates: tuple[float,
     run_rates("colocated", drive_colocated, llm, llm.engine.clear_vision_cache)
     spec = ClusterSpec(model_dir=str(model_dir), num_prefill=args.num_prefill, num_decode=1,
                        transport=args.kv_transport, cpus_per_worker=1, pin_cpus=args.pin,
+                       local_prefill_tokens=0,  # disaggregated serving against the colocated engine: no hybrid
                        extra_engine={"enable_prefix_caching": args.num_prefill > 1,
                                      "scheduling_policy": args.prefill_policy,
                                      **_reserve(args.quick)},

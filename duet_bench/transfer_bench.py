@@ -172,7 +172,8 @@ def _cluster(model_dir: Path, setup: dict, transport: str, mode: str, prompts: l
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     spec = ClusterSpec(model_dir=str(model_dir), num_prefill=1, num_decode=1, transport=transport,
-                       cpus_per_worker=1, stream_layers=mode == "layerwise", data_plane_auth=auth, **setup)
+                       cpus_per_worker=1, stream_layers=mode == "layerwise", data_plane_auth=auth,
+                       local_prefill_tokens=0, **setup)  # every prompt over the transport: what this measures
     t0 = time.perf_counter()
     cluster = DisaggCluster(spec)
     info: dict = {"startup_s": time.perf_counter() - t0}

@@ -57,7 +57,8 @@ def serve_cluster(ray_cluster):
     from cluster.control.spec import ClusterSpec
 
     spec = ClusterSpec(model_dir=str(default_model_dir()), num_prefill=1, num_decode=1, transport="gloo",
-                       num_kv_blocks=512, cpus_per_worker=1, request_timeout_s=60)
+                       num_kv_blocks=512, cpus_per_worker=1, request_timeout_s=60,
+                       local_prefill_tokens=0)  # the API over the disaggregated path (test_local_prefill_serve: local)
     cluster = DisaggCluster(spec)
     yield cluster
     cluster.shutdown()
