@@ -29,7 +29,7 @@ from engine import EngineConfig
 from engine.errors import DuetError
 from kv_transfer import DEFAULT_LEASE, ClusterSecret, LeasePolicy, get_manager_class
 from node_common import messages, prompt_wire
-from node_common.core_share import CoreShare
+from node_common.core_share import BusyBoard, CoreShare
 from node_common.events import DecodeEvent
 from node_common.worker_actor import WorkerActorBase
 
@@ -44,12 +44,17 @@ class DecodeActor(WorkerActorBase):
                  lease_min_rate_bps: float = DEFAULT_LEASE.min_rate_bps,
                  compression: dict | None = None, expert_parallel: dict | None = None,
                  expert_tiers: dict | None = None, secret: ClusterSecret | None = None,
-                 insecure: bool = False, local_prefill_threads: int = 0) -> None:
+                 insecure: bool = False, max_threads: int = 0, busy_board: str | None = None) -> None:
         self._init_common(worker_id, num_threads, cpus)
-        # steps that prefill a prompt admitted here (admit_local) take up to this many threads, as many as the
-        # rest of the machine leaves free (node_common.core_share); 0: num_threads, like every step
-        self.local_prefill_threads = local_prefill_threads
+        # max_threads > num_threads (a node whose cores the workers share): a step may take up to that many threads,
+        # as many as the rest of the machine leaves free (node_common.core_share) -- a step that prefills a prompt
+        # admitted here (admit_local) always, a decode step while no prefill worker on busy_board (a directory:
+        # node_common.core_share.BusyBoard) has work, so a prefill never waits for cores decode took; else
+        # num_threads, like every step
+        self.max_threads = max_threads
+        self._board = None if busy_board is None else BusyBoard(busy_board)
         self.local_steps = 0  # steps that prefilled a prompt admitted here
+        self.wide_steps = 0  # steps run on more than num_threads threads
         # secret: the cluster's data-plane key, a constructor argument pickled by Ray; without one a cross-process
         # transport refuses to start (MissingSecret) unless insecure (data_plane_auth "off") says so
         self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret, insecure=insecure)
@@ -174,7 +179,7 @@ class DecodeActor(WorkerActorBase):
                                  kv_pool_bytes=kv.pool_bytes, kv_mirror_bytes=kv.mirror_bytes,
                                  kv_state_bytes=kv.state_bytes, running=len(e.scheduler.running),
                                  step_s=self.worker.step_s, cpu_s=time.process_time(),
-                                 local_steps=self.local_steps,
+                                 local_steps=self.local_steps, wide_steps=self.wide_steps,
                                  experts=experts, expert_tiers=tiers, kv_refused=self.manager.refused(),
                                  kv_endpoint=self.manager.endpoint)
 
@@ -192,19 +197,27 @@ class DecodeActor(WorkerActorBase):
     def _loop(self) -> None:
         if self.worker.ep is not None:
             return self._group_loop()
-        share = CoreShare(self.local_prefill_threads) if self.local_prefill_threads > self.num_threads else None
+        # with a board: every step widens while no prefill worker on it has work (its own reading: what others do
+        # now is what they want, whatever they managed to run); without one, only a step that prefills a prompt
+        # admitted here, on the cores the others left free since the last steps
+        widen = self.max_threads > self.num_threads
+        share = CoreShare(self.max_threads) if widen and self._board is None else None
         threads = self.num_threads
         while not self.stopped:
             with self.lock:
                 decoding = self.worker.engine.has_unfinished_requests()
                 local = decoding and self.worker.local_prefilling
                 self.local_steps += local
-                if share is not None:  # a step with a local prefill takes the cores the others leave free
-                    free = share.threads()  # read every turn: the window is then the last few steps
-                    want = max(self.num_threads, free) if local else self.num_threads
+                if widen and decoding:
+                    if self._board is not None:
+                        want = self.num_threads if self._board.any_busy() else self.max_threads
+                    else:
+                        free = share.threads()  # read every turn: the window is then the last few steps
+                        want = max(self.num_threads, free) if local else self.num_threads
                     if want != threads:
                         threads = want
                         torch.set_num_threads(want)
+                    self.wide_steps += threads > self.num_threads
                 events = self._step() if decoding or self.worker.receiving else []
             self._publish(events)
             self.lock.give_way()  # an allocate or abort that waited for this step goes before the next one

@@ -7,6 +7,10 @@ worker: 78 ms with two threads, 67 ms with one; 40 ms with two on an idle host).
 machine's cores were since its last reading, less this process's own use (Linux ``/proc/stat`` and
 ``/proc/self/stat``), and :meth:`CoreShare.threads` gives the worker ``num_threads`` less the cores others kept
 busy, at least one. Where ``/proc`` is not readable it always answers ``num_threads``.
+
+Usage says what others did, not what they want: a prefill worker at a lower priority, starved by a decode worker
+on every core, would look idle. So decode workers learn whether the prefill workers beside them have work from
+:class:`BusyBoard` and take the node's idle cores only while they have none.
 """
 
 from __future__ import annotations
@@ -81,3 +85,81 @@ class CoreShare:
                 self._answer = max(1, min(self.num_threads, self.cores - taken))
         self._last = reading
         return self._answer
+
+
+class BusyBoard:
+    """Whether the prefill workers that share this node have work, for the decode workers beside them: each prefill
+    worker keeps one small file under ``directory`` (its process id and a busy byte), written only when the answer
+    changes; a decode worker reads them all (at most every :data:`MIN_WINDOW_S`) before a step. A file whose process
+    is gone counts as idle, so a killed prefill worker never holds decode to fewer threads. Same-node only (the
+    files live in ``/dev/shm`` where it exists)."""
+
+    def __init__(self, directory: str | os.PathLike, name: str | None = None) -> None:
+        """``name``: this prefill worker's file (a writer); None: a reader."""
+        self.directory = os.fspath(directory)
+        self._path = None if name is None else os.path.join(self.directory, f"{name}.busy")
+        self._busy: bool | None = None
+        self._read_at, self._answer = -1.0, False
+        if self._path is not None:
+            os.makedirs(self.directory, exist_ok=True)
+            self.set(False)
+
+    def set(self, busy: bool) -> None:
+        """The writer's state (a file write only when it changed; best effort: an unwritable board reads idle)."""
+        if busy == self._busy or self._path is None:
+            return
+        self._busy = busy
+        tmp = f"{self._path}.{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(b"%d %d" % (os.getpid(), busy))
+            os.replace(tmp, self._path)  # readers see the old file or the new one, never half of one
+        except OSError:
+            pass
+
+    def any_busy(self) -> bool:
+        """Does any live prefill worker on the board have work (the answer reused for :data:`MIN_WINDOW_S`)?"""
+        now = time.monotonic()
+        if now - self._read_at < MIN_WINDOW_S:
+            return self._answer
+        self._read_at, self._answer = now, False
+        try:
+            names = [n for n in os.listdir(self.directory) if n.endswith(".busy")]
+        except OSError:
+            return False
+        for n in names:
+            try:
+                with open(os.path.join(self.directory, n), "rb") as f:
+                    pid, busy = (int(x) for x in f.read().split())
+            except (OSError, ValueError):
+                continue
+            if busy and _alive(pid):
+                self._answer = True
+                break
+        return self._answer
+
+    def close(self) -> None:
+        """The writer leaves the board."""
+        if self._path is not None:
+            try:
+                os.unlink(self._path)
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
+
+
+def board_directory(key: str) -> str:
+    """The board's directory for cluster ``key`` (a name in ``/dev/shm`` where it exists, else the temp dir)."""
+    import tempfile
+
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(root, f"duet-board-{key}")

@@ -15,7 +15,7 @@ import torch
 from engine import EngineConfig
 from kv_transfer import ClusterSecret, Lease, get_manager_class
 from node_common import messages, prompt_wire
-from node_common.core_share import CoreShare
+from node_common.core_share import BusyBoard, CoreShare
 from node_common.worker_actor import WorkerActorBase
 from prefill_node.worker import PrefillWorker
 
@@ -28,8 +28,11 @@ class PrefillActor(WorkerActorBase):
     def __init__(self, worker_id: str, model_dir: str, engine_config: dict, transport: str, *, num_threads: int = 1,
                  cpus: list[int] | None = None, nice: int = 0, adaptive_threads: bool = False, stream_layers: bool = True,
                  compression: dict | None = None, secret: ClusterSecret | None = None, insecure: bool = False,
-                 kv_proxy: str | None = None) -> None:
+                 kv_proxy: str | None = None, busy_board: str | None = None) -> None:
         self._init_common(worker_id, num_threads, cpus, nice)
+        # busy_board: the node's board (node_common.core_share.BusyBoard) where this worker says whether it has
+        # work, so the decode workers beside it leave it the cores it needs
+        self._board = None if busy_board is None else BusyBoard(busy_board, worker_id)
         # adaptive_threads: a worker sharing its cores with decode workers (below them in priority) runs each step on
         # the threads they leave free (node_common.core_share); thread_changes counts the switches
         self.adaptive_threads, self.thread_changes = adaptive_threads and self.num_threads > 1, 0
@@ -110,12 +113,16 @@ class PrefillActor(WorkerActorBase):
         self.wake.set()
         self.thread.join(timeout=5)
         self.manager.close()
+        if self._board is not None:
+            self._board.close()
 
     def _loop(self) -> None:
         share = CoreShare(self.num_threads) if self.adaptive_threads else None
         while not self.stopped:
             with self.lock:
                 busy = self.worker.has_work()
+                if self._board is not None:
+                    self._board.set(busy)
                 if busy:
                     want = self._threads_now if share is None else share.threads()  # what the others left free
                     if want != self._threads_now:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
+import shutil
 from concurrent.futures import Future
 from typing import Any
 
@@ -29,13 +31,14 @@ from cluster.control.bounded import bounded
 from cluster.control.admission import pick_decode_worker
 from cluster.control.pool_healer import PoolHealer
 from cluster.control.router import WorkerLoad
-from cluster.control.spec import ClusterSpec, local_prefill, prefill_threads, shared_core_options
+from cluster.control.spec import ClusterSpec, decode_threads, local_prefill, prefill_threads, shared_core_options
 from cluster.control.streams import DecodeStreams
 from cluster.control.worker import Worker, await_ref
 from engine.config import DTYPES, TextConfig
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from kv_transfer import ClusterSecret
 from node_common import messages
+from node_common.core_share import board_directory
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,10 @@ class WorkerPool:
         nodes = len([n for n in ray.nodes() if n.get("Alive")])
         self.prefill_threads = prefill_threads(spec, nodes)
         self.local_prefill = local_prefill(spec, nodes)  # text prompts the decode workers prefill themselves
+        self.decode_threads = decode_threads(spec, nodes)
+        # where decode steps widen while the prefill workers are idle, the node's board that says whether they are
+        self.busy_board = board_directory(spec.detached_name or f"{os.getpid()}-{secrets.token_hex(4)}") \
+            if self.decode_threads["adaptive_threads"] else None
         logger.info("prefill workers: %d threads each%s", self.prefill_threads["num_threads"],
                     ", below decode in priority (sharing the node's cores)" if self.prefill_threads["nice"] else "")
         self._detached: dict[str, list[str]] = {}  # worker id -> [role, fingerprint] (spec.detached_name)
@@ -107,7 +114,7 @@ class WorkerPool:
         """The decode worker to prefill a text prompt of ``tokens`` tokens itself (``local_prefill``): one outside
         ``exclude`` whose pending local prompt tokens stay within the limit with it, the most free blocks first;
         None when the prompt is too long or no worker has room (it then goes to a prefill worker)."""
-        limit = self.local_prefill["tokens"]
+        limit = self.local_prefill
         if tokens > limit:
             return None
         room = [w for w in self.decodes if w.worker_id not in exclude and w.local_tokens + tokens <= limit]
@@ -299,6 +306,8 @@ class WorkerPool:
             fut.cancel()
         if self.spec.detached_name:
             reattach.forget(self.spec.detached_name)
+        if self.busy_board is not None:
+            shutil.rmtree(self.busy_board, ignore_errors=True)
 
     def abandon(self) -> None:
         """Stop watching the workers and leave them running, as a front-end that dies does (tests, upgrades)."""
@@ -320,12 +329,13 @@ class WorkerPool:
                   "insecure": spec.data_plane_auth == "off", "model_dir": spec.model_dir,
                   "engine_config": spec.engine_config(role), "transport": spec.transport}
         if role == "prefill":
-            extra = {"stream_layers": spec.stream_layers, "kv_proxy": spec.kv_proxy, **self.prefill_threads}
+            extra = {"stream_layers": spec.stream_layers, "kv_proxy": spec.kv_proxy, **self.prefill_threads,
+                     "busy_board": self.busy_board}
         else:
-            extra = {"num_threads": spec.decode_threads or common["num_threads"],
+            extra = {"num_threads": self.decode_threads["num_threads"],
                      "lease_base_s": spec.lease_base_s, "lease_min_rate_bps": spec.lease_min_rate_bps,
                      "expert_parallel": expert_parallel, "expert_tiers": spec.tier_config(),
-                     "local_prefill_threads": self.local_prefill["threads"]}
+                     "max_threads": self.decode_threads["max_threads"], "busy_board": self.busy_board}
         shared = shared_core_options(self.prefill_threads) if role == "prefill" else {}
         return {**spec.actor_options(role), "max_concurrency": 16, **shared}, {**common, **extra}
 

@@ -100,8 +100,8 @@ class Server:
         spec, threads, local = self.cluster.spec, self.cluster.pool.prefill_threads, self.cluster.pool.local_prefill
         shared = (f" (nice {threads['nice']}: decode first"
                   f"{', fewer while decode steps' if threads.get('adaptive_threads') else ''})") if threads["nice"] else ""
-        if local["tokens"]:  # why: on shared cores a short prompt's hand-off costs more than its prefill step
-            shared += f"  text prompts <= {local['tokens']} tokens prefilled on the decode worker (shared cores)"
+        if local:  # why: on shared cores a short prompt's hand-off costs more than its prefill step
+            shared += f"  text prompts <= {local} tokens prefilled on the decode worker (shared cores)"
         return (f"duet serve: ready  grpc={self.grpc_target}  http={self.http_url}  model={self.service.model_name}  "
                 f"workers={spec.num_prefill} prefill + {spec.num_decode} decode ({spec.transport})  "
                 f"prefill_threads={threads['num_threads']}{shared}"

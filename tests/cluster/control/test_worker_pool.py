@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.control.spec import LOCAL_PREFILL_TOKENS, PREFILL_NICE, ClusterSpec, local_prefill, shared_core_options
+from cluster.control.spec import (
+    LOCAL_PREFILL_TOKENS,
+    PREFILL_NICE,
+    ClusterSpec,
+    decode_threads,
+    local_prefill,
+    shared_core_options,
+)
 from cluster.control.worker_pool import prefill_threads
 from engine.errors import InvalidRequestError
 
@@ -44,26 +51,42 @@ def test_thread_counts_are_validated(tiny_model_dir, name):
 
 def test_decode_workers_prefill_short_text_prompts_where_the_cores_are_shared(tiny_model_dir):
     spec = ClusterSpec(model_dir=str(tiny_model_dir))
-    assert local_prefill(spec, nodes=1, cores=2) == {"tokens": LOCAL_PREFILL_TOKENS, "threads": 2}
-    mine = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=100)
-    assert local_prefill(mine, nodes=1, cores=4) == {"tokens": 100, "threads": 4}
-    off = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0)
-    assert local_prefill(off, nodes=1, cores=2) == {"tokens": 0, "threads": 0}
+    assert local_prefill(spec, nodes=1, cores=2) == LOCAL_PREFILL_TOKENS
+    assert decode_threads(spec, nodes=1, cores=2) == {"num_threads": 1, "max_threads": 2, "adaptive_threads": True}
+    mine = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=100, decode_adaptive_threads=False)
+    assert local_prefill(mine, nodes=1, cores=4) == 100
+    assert decode_threads(mine, nodes=1, cores=4) == {"num_threads": 1, "max_threads": 4, "adaptive_threads": False}
+    off = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=0, decode_adaptive_threads=False)
+    assert local_prefill(off, nodes=1, cores=2) == 0
+    assert decode_threads(off, nodes=1, cores=2) == {"num_threads": 1, "max_threads": 1, "adaptive_threads": False}
+    two = ClusterSpec(model_dir=str(tiny_model_dir), num_decode=2)
+    assert decode_threads(two, nodes=1, cores=2)["max_threads"] == 1  # a core each already
 
 
 @pytest.mark.parametrize("kw,nodes", [({"pin_cpus": True}, 1), ({"gpus_per_worker": 1.0}, 1), ({}, 3),
                                       ({"prefill_threads": 1}, 1), ({"num_decode": 2, "expert_parallel": 2}, 1),
-                                      ({"expert_resident": 0.5}, 1)],
-                         ids=["pinned", "gpu", "multi-node", "prefill-threads-set", "expert-parallel", "tiered"])
-def test_elsewhere_prompts_go_to_the_prefill_pool(tiny_model_dir, kw, nodes):
+                                      ({"expert_resident": 0.5}, 1), ({"decode_threads": 1}, 1)],
+                         ids=["pinned", "gpu", "multi-node", "prefill-threads-set", "expert-parallel", "tiered",
+                              "decode-threads-set"])
+def test_elsewhere_prompts_go_to_the_prefill_pool_and_decode_keeps_its_threads(tiny_model_dir, kw, nodes):
     spec = ClusterSpec(model_dir=str(tiny_model_dir), **kw)
-    assert local_prefill(spec, nodes=nodes, cores=2)["tokens"] == 0
+    if "decode_threads" not in kw:
+        assert local_prefill(spec, nodes=nodes, cores=2) == 0
+    threads = decode_threads(spec, nodes=nodes, cores=2)
+    if "expert_resident" not in kw:  # tiered experts: no local prefill, but its decode steps still widen
+        assert threads["max_threads"] == threads["num_threads"] and not threads["adaptive_threads"]
     if "expert_parallel" not in kw and "expert_resident" not in kw:  # asked for: on, on the worker's own threads
         asked = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=64, **kw)
-        assert local_prefill(asked, nodes=nodes, cores=2)["tokens"] == 64
+        assert local_prefill(asked, nodes=nodes, cores=2) == 64
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "512", True])
 def test_local_prefill_tokens_is_validated(tiny_model_dir, bad):
     with pytest.raises(InvalidRequestError, match="local_prefill_tokens"):
         ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=bad)
+
+
+@pytest.mark.parametrize("name", ["decode_adaptive_threads", "prefill_adaptive_threads"])
+def test_adaptive_switches_are_booleans(tiny_model_dir, name):
+    with pytest.raises(InvalidRequestError, match=name):
+        ClusterSpec(model_dir=str(tiny_model_dir), **{name: "yes"})
