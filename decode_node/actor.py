@@ -30,7 +30,7 @@ from engine.errors import DuetError
 from kv_transfer import DEFAULT_LEASE, ClusterSecret, LeasePolicy, get_manager_class
 from node_common import messages, prompt_wire
 from node_common.core_share import BusyBoard, CoreShare
-from node_common.events import DecodeEvent
+from node_common.events import DecodeEvent, TokenEvent
 from node_common.worker_actor import WorkerActorBase
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,8 @@ class DecodeActor(WorkerActorBase):
         self.cond = threading.Condition()
         self.wake = threading.Event()  # set by allocate: an idle loop sleeps on it instead of polling
         self.pending: list[DecodeEvent] = []  # token deltas and failures not yet polled
+        self._urgent = False  # pending holds an event a poll returns at once (see poll's coalesce_s)
+        self._replied_at = 0.0  # when the last poll replied (time.monotonic())
         self.epoch = 0  # the front-end generation served (reset); polls of another get nothing
         self._store = None  # rank 0 of an expert-parallel group hosts the rendezvous store
         if ep is None:
@@ -152,10 +154,14 @@ class DecodeActor(WorkerActorBase):
                 self.cond.notify_all()
             return messages.pack(ended=ended, epoch=self.epoch)
 
-    def poll(self, timeout_s: float = 0.05, epoch: int = 0) -> bytes:
+    def poll(self, timeout_s: float = 0.05, epoch: int = 0, coalesce_s: float = 0.0) -> bytes:
         """Everything produced since the last poll: ``{"events": [event wire map, ...], "free_blocks": n}``
         (:mod:`node_common.events`); waits up to ``timeout_s`` for the first event. ``epoch``: the poller's front-end
-        generation (:meth:`reset`); a poll of an older one gets no events."""
+        generation (:meth:`reset`); a poll of an older one gets no events. ``coalesce_s``: when what is pending is
+        only further tokens of running requests, the reply waits until that long after the previous poll's reply, so
+        one reply carries several steps' tokens (a first token, an end or a failure goes at once): a poll per decode
+        step costs the step itself, on a host where the front-end and the decode worker share the cores (a 2.3 ms
+        step took 4.4 ms polled per step, 2.7 ms polled every 20 ms)."""
         deadline = time.monotonic() + max(0.0, min(timeout_s, 5.0))
         with self.cond:
             while not self.pending and not self.stopped and epoch == self.epoch:
@@ -163,9 +169,16 @@ class DecodeActor(WorkerActorBase):
                 if left <= 0:
                     break
                 self.cond.wait(left)
+            hold = self._replied_at + min(max(0.0, coalesce_s), 0.1)
+            while self.pending and not self._urgent and not self.stopped and epoch == self.epoch:
+                left = hold - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
             events = []
             if epoch == self.epoch:
-                events, self.pending = self.pending, []
+                events, self.pending, self._urgent = self.pending, [], False
+            self._replied_at = time.monotonic()
         return messages.pack(events=[ev.to_wire() for ev in events], free_blocks=self.worker.free_blocks)
 
     def stats(self) -> bytes:
@@ -251,6 +264,7 @@ class DecodeActor(WorkerActorBase):
         if events:
             with self.cond:
                 self.pending.extend(events)
+                self._urgent = self._urgent or any(_urgent(ev) for ev in events)
                 self.cond.notify_all()
 
     def _step(self) -> list[DecodeEvent]:
@@ -259,3 +273,9 @@ class DecodeActor(WorkerActorBase):
         except Exception as e:  # fail the batch rather than the worker
             logger.exception("decode step failed")
             return self.worker.fail_all(f"decode step failed: {e}").events
+
+
+def _urgent(ev: DecodeEvent) -> bool:
+    """An event a poll never holds back: a failure, a request's end, or its first token (the one that carries
+    ``kv_transfer``; a request admitted here reports it too)."""
+    return not isinstance(ev, TokenEvent) or ev.finished or ev.kv_transfer is not None

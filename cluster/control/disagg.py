@@ -75,7 +75,7 @@ class DisaggCluster:
         self.tokenizer = tok
         self.inputs = InputProcessor(cfg, tok, improc, spec.max_model_len or min(cfg.text.max_position_embeddings, 4096))
         self._loop = asyncio.new_event_loop()
-        self.streams = DecodeStreams()
+        self.streams = DecodeStreams(coalesce_s=spec.stream_interval_s)
         self.pool = WorkerPool(spec, cfg.text, self._secret, self.streams, self._loop)  # starts every actor
         self.inputs.max_model_len = self.pool.max_model_len  # the front-end's limits use the workers' value
         self.admission = PrefillAdmission(spec)  # prefill admission and its waiters (front-end loop only)

@@ -70,6 +70,10 @@ class ClusterSpec:
     gpus_per_worker: float = 0.0
     stream_layers: bool = True
     request_timeout_s: float = 600.0
+    # a decode worker's further tokens reach the front-end at most this often, several steps' at once (a first
+    # token, an end or a failure at once): a reply per decode step cost the step a third of its time on a 2-core host
+    # (decode_node.actor.DecodeActor.poll); 0: every step's tokens as soon as they exist
+    stream_interval_s: float = 0.02
     # lease deadline = now + lease_base_s + bytes / lease_min_rate_bps (kv_transfer.lease.DEFAULT_LEASE)
     lease_base_s: float = DEFAULT_LEASE.base_s
     lease_min_rate_bps: float = DEFAULT_LEASE.min_rate_bps
@@ -128,6 +132,9 @@ class ClusterSpec:
         if not isinstance(self.refuse_when_overloaded, bool):
             raise InvalidRequestError(f"refuse_when_overloaded must be true or false, got "
                                       f"{self.refuse_when_overloaded!r}")
+        if not (isinstance(self.stream_interval_s, (int, float)) and 0 <= self.stream_interval_s <= 0.1):
+            raise InvalidRequestError(f"stream_interval_s must be within [0, 0.1] seconds, got "
+                                      f"{self.stream_interval_s!r}")
         if self.prefill_vision_slice_s is not None and not self.prefill_vision_slice_s > 0:
             raise InvalidRequestError("prefill_vision_slice_s must be > 0 (or None)")
         if self.local_prefill_tokens is not None and (isinstance(self.local_prefill_tokens, bool) or not isinstance(

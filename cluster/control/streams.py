@@ -42,8 +42,10 @@ CHECK_S = 0.5  # how often a request waiting for its next event asks whether its
 class DecodeStreams:
     """Per-request inboxes and the decode pollers that fill them (see the module docstring). Front-end loop only."""
 
-    def __init__(self, *, poll_s: float = POLL_S) -> None:
-        self.poll_s = poll_s
+    def __init__(self, *, poll_s: float = POLL_S, coalesce_s: float = 0.0) -> None:
+        """``coalesce_s``: a poll carrying only further tokens of running requests is answered at most that often
+        (``ClusterSpec.stream_interval_s``; :meth:`DecodeActor.poll <decode_node.actor.DecodeActor.poll>`)."""
+        self.poll_s, self.coalesce_s = poll_s, coalesce_s
         self._inboxes: dict[str, asyncio.Queue[DecodeEvent]] = {}
         self._owner: dict[str, str] = {}  # request id -> the decode worker that holds it
 
@@ -83,7 +85,7 @@ class DecodeStreams:
         why)`` runs) or elsewhere (its requests fail)."""
         while w.alive:
             try:
-                reply = await bounded(await_ref(w.actor.poll.remote(self.poll_s, w.epoch)), timeout=POLL_TIMEOUT_S)
+                reply = await bounded(await_ref(w.actor.poll.remote(self.poll_s, w.epoch, self.coalesce_s)), timeout=POLL_TIMEOUT_S)
                 msg = messages.unpack(reply)
                 events = [event_from_wire(ev) for ev in msg["events"]]
             except Exception as e:  # noqa: BLE001 - dead, silent, or a poll that raises: its requests must not wait

@@ -108,3 +108,28 @@ def test_reset_ends_every_request_and_old_polls_get_nothing(actor):
         events = [event_from_wire(w) for w in messages.unpack(actor.poll(0.05, 1))["events"]]
     assert [ev.request_id for ev in events] == ["new"]
     _idle(actor)
+
+
+def test_polls_coalesce_further_tokens_but_never_hold_a_first_token_or_an_end(actor):
+    """``coalesce_s``: a reply carrying only further tokens comes no sooner than that after the previous reply; the
+    first token (and the request's end) is not held back for it. The request is one the decode worker prefills
+    itself (``admit_local``), whose first event carries ``kv_transfer`` with ``transport: "local"``."""
+    prompt = InputProcessor(actor.worker.engine.model_config, None, None, 128).process(make_request(7, seed=5))
+    reply = messages.unpack(actor.admit_local(messages.pack(
+        request_id="c", prompt=prompt_wire.prompt_to_wire(prompt, for_encoder=False),
+        params=messages.params_to_dict(greedy(60)))))
+    assert set(reply) == {"v", "free_blocks"}
+    replies, end = [], time.monotonic() + 60
+    while not any(e.finished for _, evs in replies for e in evs):
+        assert time.monotonic() < end
+        got = messages.unpack(actor.poll(1.0, 0, 0.1))["events"]
+        replies.append((time.monotonic(), [event_from_wire(w) for w in got]))
+    events = [e for _, evs in replies for e in evs]
+    assert len([t for e in events for t in e.token_ids]) == 60 and events[-1].finish_reason == "length"
+    first = next(i for i, (_, evs) in enumerate(replies) if evs)
+    assert replies[first][1][0].kv_transfer["transport"] == "local"
+    assert sum(len(e.token_ids) for e in replies[first][1]) < 30  # not held until many steps had run
+    for (t0, _), (t1, evs) in zip(replies[first:], replies[first + 1:]):
+        if evs and not any(e.finished for e in evs):
+            assert t1 - t0 >= 0.08, (t1 - t0, evs)
+    _idle(actor)

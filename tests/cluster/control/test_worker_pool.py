@@ -90,3 +90,9 @@ def test_local_prefill_tokens_is_validated(tiny_model_dir, bad):
 def test_adaptive_switches_are_booleans(tiny_model_dir, name):
     with pytest.raises(InvalidRequestError, match=name):
         ClusterSpec(model_dir=str(tiny_model_dir), **{name: "yes"})
+
+
+@pytest.mark.parametrize("bad", [-0.01, 0.5, "0.02", None])
+def test_stream_interval_is_validated(tiny_model_dir, bad):
+    with pytest.raises(InvalidRequestError, match="stream_interval_s"):
+        ClusterSpec(model_dir=str(tiny_model_dir), stream_interval_s=bad)
