@@ -116,7 +116,7 @@ def test_a_decode_poll_that_raises_fails_its_requests_at_once():
         raise RuntimeError("poll raised")
 
     deaths: list[str] = []
-    actor = SimpleNamespace(poll=SimpleNamespace(remote=lambda timeout_s, epoch=0: boom()))
+    actor = SimpleNamespace(poll=SimpleNamespace(remote=lambda timeout_s, epoch=0, coalesce_s=0.0: boom()))
     w = Worker(WorkerLoad("decode-0"), actor)
 
     async def run():
@@ -149,7 +149,8 @@ def test_a_decode_worker_marked_dead_elsewhere_fails_its_requests_at_once():
         return messages.pack(events=[], free_blocks=3)
 
     deaths: list[str] = []
-    w = Worker(WorkerLoad("decode-1"), SimpleNamespace(poll=SimpleNamespace(remote=lambda timeout_s, epoch=0: poll_reply())))
+    w = Worker(WorkerLoad("decode-1"),
+               SimpleNamespace(poll=SimpleNamespace(remote=lambda timeout_s, epoch=0, coalesce_s=0.0: poll_reply())))
 
     async def run():
         streams = DecodeStreams()
