@@ -30,7 +30,7 @@ from engine.errors import DuetError
 from kv_transfer import DEFAULT_LEASE, ClusterSecret, LeasePolicy, get_manager_class
 from node_common import messages, prompt_wire
 from node_common.core_share import BusyBoard, CoreShare
-from node_common.events import DecodeEvent, TokenEvent
+from node_common.events import DecodeEvent, RequestFailed, TokenEvent
 from node_common.worker_actor import WorkerActorBase
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,8 @@ class DecodeActor(WorkerActorBase):
         self.wake = threading.Event()  # set by allocate: an idle loop sleeps on it instead of polling
         self.pending: list[DecodeEvent] = []  # token deltas and failures not yet polled
         self._urgent = False  # pending holds an event a poll returns at once (see poll's coalesce_s)
+        self._intake: list = []  # requests admit_local checked, for the loop to add before its next step
+        self._intake_lock = threading.Lock()
         self._replied_at = 0.0  # when the last poll replied (time.monotonic())
         self.epoch = 0  # the front-end generation served (reset); polls of another get nothing
         self._store = None  # rank 0 of an expert-parallel group hosts the rendezvous store
@@ -127,25 +129,46 @@ class DecodeActor(WorkerActorBase):
 
     def admit_local(self, msg: bytes) -> bytes:
         """``{request_id, prompt, params}`` -> ``{free_blocks}``: prefill this text prompt here and decode it
-        (:meth:`decode_node.worker.DecodeWorker.admit_local`); a typed error reply leaves nothing behind."""
+        (:meth:`decode_node.worker.DecodeWorker.admit_local`); a typed error reply leaves nothing behind. The request
+        is checked here, on the caller's thread, and joins the batch before the loop's next step: the reply does not
+        wait for the step in progress (a local prefill's step is tens of ms on a small host)."""
         try:
             m = messages.unpack(msg)
-            with self.lock:
-                self.worker.admit_local(m["request_id"], prompt_wire.prompt_from_wire(m["prompt"]),
-                                        messages.params_from_dict(m["params"]))
+            seq = self.worker.check_local(m["request_id"], prompt_wire.prompt_from_wire(m["prompt"]),
+                                          messages.params_from_dict(m["params"]))
         except messages.REPLY_ERRORS as e:
             return messages.error_reply(e)
+        with self._intake_lock:
+            self._intake.append(seq)
         self.wake.set()
         return messages.pack(free_blocks=self.worker.free_blocks)
 
     def abort(self, request_id: str) -> bool:
+        with self._intake_lock:  # not yet in the batch: it never joins it
+            kept = [q for q in self._intake if q.request_id != request_id]
+            dropped, self._intake = len(kept) < len(self._intake), kept
+        if dropped:
+            return True
         with self.lock:
             return self.worker.abort(request_id)
+
+    def _take_intake(self) -> None:
+        """Requests admitted since the last step join the batch (loop thread, under the lock); one that cannot (its
+        id taken meanwhile) fails as its own fault."""
+        with self._intake_lock:
+            seqs, self._intake = self._intake, []
+        for seq in seqs:
+            try:
+                self.worker.add_local(seq)
+            except DuetError as e:
+                self._publish([RequestFailed(seq.request_id, f"{type(e).__name__}: {e}", retryable=False)])
 
     def reset(self, reason: str) -> bytes:
         """A new front-end took this worker over (:mod:`cluster.control.reattach`): every request of the old one
         ends (its blocks freed), the events nobody polled are dropped, and the epoch polls must carry moves on (a
         poll the old front-end left in flight returns empty). ``{"ended", "epoch"}``."""
+        with self._intake_lock:
+            self._intake = []
         with self.lock:
             ended = len(self.worker.fail_all(reason).events)
             with self.cond:
@@ -218,6 +241,8 @@ class DecodeActor(WorkerActorBase):
         threads = self.num_threads
         while not self.stopped:
             with self.lock:
+                if self._intake:
+                    self._take_intake()
                 decoding = self.worker.engine.has_unfinished_requests()
                 local = decoding and self.worker.local_prefilling
                 self.local_steps += local

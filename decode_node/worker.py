@@ -50,6 +50,7 @@ from decode_node.request_state import DecodeRequest, StepReport, TransferClock, 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import DuetError, InvalidRequestError
 from engine.inputs import ProcessedPrompt
+from engine.sequence import Sequence
 from engine.outputs import RequestMetrics, TokenLogprobs
 from kv_transfer import (
     DEFAULT_LEASE,
@@ -168,7 +169,12 @@ class DecodeWorker:
         contention cost more than the prefill step itself (``ClusterSpec.local_prefill_tokens``). The request then
         decodes like any other; its first token event carries ``kv_transfer`` with ``transport: "local"`` and the
         prefill stages measured here. Raises InvalidRequestError for a prompt with images (this side holds no
-        pixels) or on an expert-parallel or tiered worker, and the engine's typed errors; nothing is kept then."""
+        pixels) or on an expert-parallel or tiered worker, and the engine's typed errors; nothing is kept then.
+        :meth:`check_local` then :meth:`add_local` do the same in two parts (the check off the stepping thread)."""
+        self.add_local(self.check_local(request_id, prompt, params))
+
+    def check_local(self, request_id: str, prompt: Any, params: SamplingParams) -> Sequence:
+        """:meth:`admit_local`'s checks (any thread; nothing changes): the request's new sequence."""
         if self.ep is not None or self.tiers is not None:
             raise InvalidRequestError("an expert-parallel or tiered decode worker does not prefill prompts itself")
         inputs = self.engine.inputs
@@ -176,9 +182,13 @@ class DecodeWorker:
         if prompt.num_visual_tokens:
             raise InvalidRequestError("a decode worker holds no pixels: prompts with images are prefilled by a "
                                       "prefill worker")
+        return self.engine.make_sequence(request_id, prompt, params)
+
+    def add_local(self, seq: Sequence) -> None:
+        """Queue a sequence from :meth:`check_local` (the stepping thread)."""
         with self.recv_lock:
-            self.engine.add_request(request_id, prompt, params)
-        self.requests[request_id] = DecodeRequest(request_id, None, None, TransferClock(), local=True)
+            self.engine.add_sequence(seq)
+        self.requests[seq.request_id] = DecodeRequest(seq.request_id, None, None, TransferClock(), local=True)
 
     @property
     def local_prefilling(self) -> bool:

@@ -113,10 +113,25 @@ class LLMEngine(ReceiveMixin):
         ``prompt`` is anything :meth:`InputProcessor.process` takes, or a :class:`ProcessedPrompt` processed once
         elsewhere (a front-end's): that one is only checked (:meth:`InputProcessor.check_processed`), never
         re-tokenized nor its images re-decoded."""
+        self.add_sequence(self.make_sequence(request_id, prompt, params, arrival_time))
+
+    def make_sequence(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
+                      arrival_time: float | None = None) -> Sequence:
+        """:meth:`add_request`'s checks and its new sequence, without queueing it (nothing here changes: a caller may
+        check a request on another thread than the one that steps, then :meth:`add_sequence` it there). Raises
+        InvalidRequestError (subclasses)."""
         seq = self._new_sequence(request_id, prompt, params or SamplingParams(), arrival_time)
         if seq.mm is not None and not seq.mm.can_encode:
             raise InvalidRequestError(f"request {request_id!r}: its images carry no pixels here, so its prompt cannot "
                                       "be computed (such a prompt can only be preallocated for a transfer)")
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence from :meth:`make_sequence` (on the stepping thread). Raises InvalidRequestError when its
+        request id is taken meanwhile."""
+        request_id = seq.request_id
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
         self._seed(seq)
         self.requests[request_id] = seq
         # a Qwen3-VL prompt with images joins the scheduler once they are encoded (the vision stage)

@@ -58,7 +58,8 @@ class ClusterSpec:
     # others leave free while no prefill worker on the node has work (node_common.core_share.BusyBoard)
     decode_adaptive_threads: bool = True
     # text prompts of up to this many tokens are prefilled by their decode worker itself, in its own batch (no
-    # prefill worker, no KV transfer), while it has no more than this many prompt tokens of such prefills pending;
+    # prefill worker, no KV transfer), while it has no more than twice this many prompt tokens of such prefills
+    # pending (cluster.control.worker_pool.LOCAL_PENDING_PROMPTS);
     # those steps take the cores the other workers leave free. None: LOCAL_PREFILL_TOKENS where the workers share
     # one CPU node's cores (as for prefill_threads) and decode workers hold all experts; else 0 (off: a GPU host
     # runs one worker per GPU, and a prompt's prefill belongs to the prefill pool). See local_prefill()

@@ -45,6 +45,12 @@ logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
 
 
+# a decode worker's pending local prefills (WorkerPool.pick_local_decode): up to this many prompts of the longest
+# local size, which share its next step (two 262-token prompts arriving together, 2 req/s text on 2 cores: the
+# second went to the prefill worker and took twice the first one's time to its first token)
+LOCAL_PENDING_PROMPTS = 2
+
+
 class WorkerPool:
     """The prefill and decode workers of one cluster (see the module docstring). Construction starts every actor and
     forms the expert-parallel groups (blocking); :meth:`start` then starts the pollers and the healer on ``loop``."""
@@ -112,12 +118,14 @@ class WorkerPool:
 
     def pick_local_decode(self, tokens: int, exclude: frozenset[str]) -> Worker | None:
         """The decode worker to prefill a text prompt of ``tokens`` tokens itself (``local_prefill``): one outside
-        ``exclude`` whose pending local prompt tokens stay within the limit with it, the most free blocks first;
-        None when the prompt is too long or no worker has room (it then goes to a prefill worker)."""
+        ``exclude`` whose pending local prompt tokens stay within ``LOCAL_PENDING_PROMPTS`` such prompts with it,
+        the most free blocks first; None when the prompt is too long or no worker has room (it then goes to a
+        prefill worker)."""
         limit = self.local_prefill
         if tokens > limit:
             return None
-        room = [w for w in self.decodes if w.worker_id not in exclude and w.local_tokens + tokens <= limit]
+        room = [w for w in self.decodes
+                if w.worker_id not in exclude and w.local_tokens + tokens <= LOCAL_PENDING_PROMPTS * limit]
         try:
             return pick_decode_worker(room, -(-tokens // self.spec.block_size), draining=self._draining)
         except OutOfBlocksError:

@@ -10,6 +10,7 @@ import pytest
 
 from decode_node.actor import DecodeActor
 from engine import LLM, EngineConfig
+from engine.errors import TokenOutOfVocabError
 from engine.inputs import InputProcessor
 from kv_transfer import Lease
 from kv_transfer.inproc.manager import Manager as InprocManager
@@ -133,3 +134,20 @@ def test_polls_coalesce_further_tokens_but_never_hold_a_first_token_or_an_end(ac
         if evs and not any(e.finished for e in evs):
             assert t1 - t0 >= 0.08, (t1 - t0, evs)
     _idle(actor)
+
+
+def test_a_local_admission_checks_at_once_and_an_abort_before_its_step_leaves_nothing(actor):
+    wire = lambda p: prompt_wire.prompt_to_wire(p, for_encoder=False)  # noqa: E731
+    proc = InputProcessor(actor.worker.engine.model_config, None, None, 128)
+    out_of_vocab = {**wire(proc.process(make_request(6, seed=9))), "token_ids": [1, 2, 10_000]}
+    with pytest.raises(TokenOutOfVocabError):  # checked on the caller's thread: a typed error reply
+        messages.unpack(actor.admit_local(messages.pack(
+            request_id="bad", prompt=out_of_vocab, params=messages.params_to_dict(greedy(3)))))
+    for i in range(5):  # aborted at once: before or after the loop took it into the batch, it ends without a trace
+        rid = f"a{i}"
+        messages.unpack(actor.admit_local(messages.pack(
+            request_id=rid, prompt=wire(proc.process(make_request(6, seed=i))), params=messages.params_to_dict(
+                greedy(200)))))
+        assert actor.abort(rid)
+    _idle(actor)
+    assert not actor._intake

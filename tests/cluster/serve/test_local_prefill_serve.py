@@ -16,7 +16,7 @@ from tests.cluster.serve.conftest import wait_idle
 
 POISON = 4343
 PROMPTS = [[5, 17, 42, 9, 33, 2, 71, 8, 19], [11, 3, 64, 5, 90], [71, 8, 19, 42, 5, 17]]
-LIMIT = 16  # local_prefill_tokens here: the three prompts above at once (9 + 5 + 6 = 20) leave one to the prefill pool
+LIMIT = 16  # local_prefill_tokens here: each prompt above is local (at most 2 x 16 tokens pending at once)
 
 
 @pytest.fixture(scope="module")
