@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine import RequestOutput
+from engine.outputs import RequestMetrics
 from kv_transfer import KVReceiver, Lease
 from node_common.events import DecodeEvent, RequestFailed, TokenEvent
 
@@ -112,3 +113,14 @@ def step_events(report: StepReport, requests: dict[str, DecodeRequest]) -> list[
         if out.finished:
             ended.add(rid)
     return events
+
+
+def local_stats(m: RequestMetrics) -> dict:
+    """The first token event's ``kv_transfer`` of a request prefilled on its decode worker: nothing moved; the
+    prefill stages (:mod:`cluster.control.timeline`) on this worker's clock."""
+    start = m.first_scheduled_time if m.first_scheduled_time is not None else m.arrival_time
+    done = m.first_token_time if m.first_token_time is not None else time.perf_counter()
+    stages = {"prefill_queue_s": max(0.0, start - m.arrival_time), "vision_encode_s": 0.0,
+              "prefill_compute_s": max(0.0, done - start)}
+    return {"transport": "local", "bytes": 0, "layers": 0, "seconds": 0.0, "exposed_seconds": 0.0,
+            "commit_seconds": 0.0, "state_bytes": 0, "state_frames": 0, "prefill_stages": stages}

@@ -46,12 +46,12 @@ import torch
 from decode_node.expert_group import GroupUnavailable, TickPlan
 from decode_node.expert_parallel import ExpertParallel, ExpertParallelConfig
 from decode_node.expert_tiers import ExpertTiers, TierConfig
-from decode_node.request_state import DecodeRequest, StepReport, TransferClock, step_events
+from decode_node.request_state import DecodeRequest, StepReport, TransferClock, local_stats, step_events
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import DuetError, InvalidRequestError
 from engine.inputs import ProcessedPrompt
 from engine.sequence import Sequence
-from engine.outputs import RequestMetrics, TokenLogprobs
+from engine.outputs import TokenLogprobs
 from kv_transfer import (
     DEFAULT_LEASE,
     KVLayout,
@@ -83,17 +83,6 @@ def _first_tokens(handoff: Handoff) -> dict:
             "prompt_logprobs": None if prompt is None else [lp(w) for w in prompt],
             "choices": [(c["token"], lp(c.get("logprobs")), generator_from_state(c.get("generator_state")))
                         for c in handoff.choices]}
-
-
-def _local_stats(m: RequestMetrics) -> dict:
-    """The first token event's ``kv_transfer`` of a request prefilled on its decode worker: nothing moved; the
-    prefill stages (:mod:`cluster.control.timeline`) on this worker's clock."""
-    start = m.first_scheduled_time if m.first_scheduled_time is not None else m.arrival_time
-    done = m.first_token_time if m.first_token_time is not None else time.perf_counter()
-    stages = {"prefill_queue_s": max(0.0, start - m.arrival_time), "vision_encode_s": 0.0,
-              "prefill_compute_s": max(0.0, done - start)}
-    return {"transport": "local", "bytes": 0, "layers": 0, "seconds": 0.0, "exposed_seconds": 0.0,
-            "commit_seconds": 0.0, "state_bytes": 0, "state_frames": 0, "prefill_stages": stages}
 
 
 class DecodeWorker:
@@ -322,7 +311,7 @@ class DecodeWorker:
             if out.error is None:
                 record = self.requests.get(out.request_id)
                 if record is not None and record.local and not record.reported.tokens:  # its first token
-                    report.transfers[out.request_id] = _local_stats(out.metrics)
+                    report.transfers[out.request_id] = local_stats(out.metrics)
                 report.outputs.append(out)
                 continue
             self._forget(out.request_id)

@@ -251,3 +251,25 @@ def pick_decode_worker(decodes: list[Worker], blocks: int, *, draining: Any,
     if load is None:
         raise OutOfBlocksError(f"no live decode worker has {blocks} free KV blocks")
     return next(w for w in decodes if w.load is load)
+
+
+# a decode worker's pending local prefills (pick_local_decode_worker): up to this many prompts of the longest local
+# size, which share its next step (two 262-token prompts arriving together, 2 req/s text on 2 cores: the second went
+# to the prefill worker and took twice the first one's time to its first token)
+LOCAL_PENDING_PROMPTS = 2
+
+
+def pick_local_decode_worker(decodes: list[Worker], tokens: int, limit: int, block_size: int, *, draining: Any,
+                             exclude: frozenset[str] = frozenset()) -> Worker | None:
+    """The decode worker to prefill a text prompt of ``tokens`` tokens itself (``ClusterSpec.local_prefill_tokens``
+    = ``limit``): one outside ``exclude`` whose pending local prompt tokens stay within ``LOCAL_PENDING_PROMPTS``
+    such prompts with it, the most free blocks first; None when the prompt is too long or no worker has room (it then
+    goes to a prefill worker)."""
+    if tokens > limit:
+        return None
+    pending = LOCAL_PENDING_PROMPTS * limit
+    room = [w for w in decodes if w.worker_id not in exclude and w.local_tokens + tokens <= pending]
+    try:
+        return pick_decode_worker(room, -(-tokens // block_size), draining=draining)
+    except OutOfBlocksError:
+        return None

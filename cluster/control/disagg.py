@@ -35,11 +35,11 @@ from cluster.control.delta import Delta, WorkerPair
 from cluster.control.errors import AttemptFailed, DecodeInterruptedError, RequestTimeoutError, TransferFailedError
 from cluster.control.spec import ClusterSpec
 from cluster.control.streams import DecodeStreams
-from cluster.control.worker import Assignment, LocalHold, Worker, call
+from cluster.control.worker import Assignment, LocalHold, Worker, call, call_failure
 from cluster.control.worker_pool import WorkerPool
 from engine import SamplingParams
 from engine.config import ModelConfig
-from engine.errors import DuetError, is_retryable
+from engine.errors import DuetError
 from engine.inputs import InputProcessor, image_processor_for
 from engine.isolation import RequestFailedError
 from engine.tokenizer import Tokenizer
@@ -296,7 +296,8 @@ class DisaggCluster:
                        exclude_p: frozenset[str], deadline: float, attempt: int) -> AsyncIterator[Delta]:
         """One attempt on one (prefill, decode) pair; raises :class:`AttemptFailed` when another pair may do
         better, a typed error otherwise."""
-        local = self._local_decode(p, exclude_d)
+        # a short text prompt, on a host whose cores the workers share: its decode worker prefills it itself
+        local = None if p.num_visual_tokens else self.pool.pick_local_decode(len(p.token_ids), exclude_d)
         if local is not None:
             async for delta in self._attempt_local(rid, wire, params, p, local, deadline, attempt):
                 yield delta
@@ -317,8 +318,8 @@ class DisaggCluster:
                         start_by = time.time() + (deadline - time.monotonic())  # the lease waits for prefill
                         to_decode = messages.pack(**body, prompt=wire["decode"], start_by_s=start_by)
                         reply = messages.unpack(await call(decode.actor.allocate, to_decode, deadline))
-                    except Exception as e:  # noqa: BLE001 - sorted by _failed
-                        raise _failed(e, "decode", decode, pair) from None
+                    except Exception as e:  # noqa: BLE001 - sorted by call_failure
+                        raise call_failure(e, "decode", decode, pair) from None
                     decode.load.free_blocks = reply["free_blocks"]
                     allocated_at = time.monotonic()
                     try:
@@ -326,10 +327,10 @@ class DisaggCluster:
                         reply = messages.unpack(await call(pw.actor.submit, to_prefill, deadline))
                         a.submitted(self._apply_report(pw, reply),
                                     self.admission.queued_ahead(pw, p.num_visual_tokens > 0))
-                    except Exception as e:  # noqa: BLE001 - sorted by _failed
+                    except Exception as e:  # noqa: BLE001 - sorted by call_failure
                         if decode.alive:
                             decode.actor.abort.remote(rid)
-                        raise _failed(e, "prefill", pw, pair) from None
+                        raise call_failure(e, "prefill", pw, pair) from None
                     placement = WorkerPair(time.monotonic(), **pair, admitted_at=admitted_at,
                                            allocated_at=allocated_at)
                     async for delta in self._relay(a, inbox, rid, deadline, attempt, placement, p):
@@ -341,17 +342,10 @@ class DisaggCluster:
                     a.abort(rid)
                     raise
 
-    def _local_decode(self, p: Any, exclude_d: frozenset[str]) -> Worker | None:
-        """The decode worker that prefills ``p`` itself (``ClusterSpec.local_prefill_tokens``: a text prompt short
-        enough, on a worker with room for it under that many pending local prompt tokens and the most free
-        blocks), or None: the prompt goes to a prefill worker."""
-        if p.num_visual_tokens:
-            return None
-        return self.pool.pick_local_decode(len(p.token_ids), exclude_d)
-
     async def _attempt_local(self, rid: str, wire: dict, params: SamplingParams, p: Any, decode: Worker,
                              deadline: float, attempt: int) -> AsyncIterator[Delta]:
-        """One attempt on ``decode`` alone: it prefills the prompt in its own batch (:meth:`_local_decode`); raises
+        """One attempt on ``decode`` alone: it prefills the prompt in its own batch
+        (:meth:`~cluster.control.worker_pool.WorkerPool.pick_local_decode`); raises
         :class:`AttemptFailed` when another worker may do better, a typed error otherwise."""
         pair = {"prefill_worker": decode.worker_id, "decode_worker": decode.worker_id}
         with LocalHold(decode, len(p.token_ids)) as hold, self.streams.inbox(rid, decode.worker_id) as inbox:
@@ -360,8 +354,8 @@ class DisaggCluster:
                 try:
                     msg = messages.pack(request_id=rid, params=messages.params_to_dict(params), prompt=wire["decode"])
                     reply = messages.unpack(await call(decode.actor.admit_local, msg, deadline))
-                except Exception as e:  # noqa: BLE001 - sorted by _failed
-                    raise _failed(e, "decode", decode, pair) from None
+                except Exception as e:  # noqa: BLE001 - sorted by call_failure
+                    raise call_failure(e, "decode", decode, pair) from None
                 decode.load.free_blocks = reply["free_blocks"]
                 placement = WorkerPair(time.monotonic(), **pair, admitted_at=admitted_at, allocated_at=admitted_at)
                 async for delta in self._relay(hold, inbox, rid, deadline, attempt, placement, None):
@@ -401,15 +395,3 @@ class DisaggCluster:
             if ev.finished:
                 return
 
-
-def _failed(e: Exception, role: str, w: Worker, pair: dict[str, str]) -> BaseException:
-    """What a failed ``allocate`` / ``submit`` on ``w`` becomes: :class:`AttemptFailed` for a dead worker (marked
-    dead) or a retryable typed error (another pair may avoid it), else ``e`` itself."""
-    import ray
-
-    if isinstance(e, ray.exceptions.RayActorError):
-        w.mark_dead(f"{type(e).__name__} on a call")
-        return AttemptFailed(f"{role} worker {w.worker_id} is gone", **pair)
-    if is_retryable(e):
-        return AttemptFailed(f"{type(e).__name__}: {e}", error=e if isinstance(e, DuetError) else None, **pair)
-    return e

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from decode_node.expert_tiers import TIER_POLICIES, TierConfig
 from engine.config import DTYPES, ModelConfig, TextConfig
 from engine.errors import InvalidRequestError
 from kv_transfer import DEFAULT_LEASE, TRANSPORTS, get_manager_class
+from node_common.core_share import board_directory
 DATA_PLANE_AUTH = ("hmac", "off")
 # ClusterSpec.local_prefill_tokens's default where prefill and decode workers share a CPU node: a prompt this long
 # holds the decode batch for one step of a few tens of ms on a small host (a 256-token step: 42 ms on 2 cores)
@@ -319,6 +323,47 @@ def decode_threads(spec: ClusterSpec, nodes: int, cores: int | None = None) -> d
     wide = max(own, (cores or os.cpu_count() or 1) // spec.num_decode)
     widen = adaptive or (shared and local_prefill(spec, nodes, cores) > 0)
     return {"num_threads": own, "max_threads": wide if widen else own, "adaptive_threads": adaptive}
+
+
+@dataclass(frozen=True)
+class NodeShare:
+    """How a cluster's workers share their node's cores -- :func:`prefill_threads` (``prefill``),
+    :func:`local_prefill` and :func:`decode_threads` (``decode``) -- and, where decode steps widen while the prefill
+    workers are idle, the node's board that says whether they are (``board``, a directory:
+    :class:`node_common.core_share.BusyBoard`; :meth:`close` removes it)."""
+
+    prefill: dict
+    local_prefill: int
+    decode: dict
+    board: str | None = None
+
+    @classmethod
+    def plan(cls, spec: ClusterSpec, nodes: int) -> NodeShare:
+        decode = decode_threads(spec, nodes)
+        board = board_directory(spec.detached_name or f"{os.getpid()}-{secrets.token_hex(4)}") \
+            if decode["adaptive_threads"] else None
+        return cls(prefill_threads(spec, nodes), local_prefill(spec, nodes), decode, board)
+
+    def close(self) -> None:
+        if self.board is not None:
+            shutil.rmtree(self.board, ignore_errors=True)
+
+    def actor_args(self, spec: ClusterSpec, role: str, *, secret: Any, cpus: list[int] | None,
+                   expert_parallel: Any = None) -> tuple[dict, dict]:
+        """(Ray options, constructor keyword arguments) of a new ``role`` worker of ``spec`` on this node."""
+        common = {"num_threads": max(1, int(spec.cpus_per_worker)), "compression": spec.compression_policy(),
+                  "cpus": cpus, "secret": secret, "insecure": spec.data_plane_auth == "off",
+                  "model_dir": spec.model_dir, "engine_config": spec.engine_config(role), "transport": spec.transport}
+        if role == "prefill":
+            extra = {"stream_layers": spec.stream_layers, "kv_proxy": spec.kv_proxy, **self.prefill,
+                     "busy_board": self.board}
+        else:
+            extra = {"num_threads": self.decode["num_threads"],
+                     "lease_base_s": spec.lease_base_s, "lease_min_rate_bps": spec.lease_min_rate_bps,
+                     "expert_parallel": expert_parallel, "expert_tiers": spec.tier_config(),
+                     "max_threads": self.decode["max_threads"], "busy_board": self.board}
+        shared = shared_core_options(self.prefill) if role == "prefill" else {}
+        return {**spec.actor_options(role), "max_concurrency": 16, **shared}, {**common, **extra}
 
 
 def shared_core_options(threads: dict[str, int]) -> dict:

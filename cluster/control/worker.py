@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cluster.control.bounded import bounded
+from cluster.control.errors import AttemptFailed
 from cluster.control.router import PrefixIndex, WorkerLoad
+from engine.errors import DuetError, is_retryable
 
 SPEED_EWMA = 0.2  # weight of the newest submit-to-first-token sample in a prefill worker's speed
 
@@ -207,3 +209,16 @@ async def call(method: Any, payload: bytes, deadline: float) -> bytes:
     """``method.remote(payload)``, bounded by ``deadline`` (``time.monotonic()``; at least 0.1 s)."""
     left = max(0.1, deadline - time.monotonic())
     return await bounded(await_ref(method.remote(payload)), timeout=left)
+
+
+def call_failure(e: Exception, role: str, w: Worker, pair: dict[str, str]) -> BaseException:
+    """What a failed ``allocate`` / ``submit`` on ``w`` becomes: :class:`AttemptFailed` for a dead worker (marked
+    dead) or a retryable typed error (another pair may avoid it), else ``e`` itself."""
+    import ray
+
+    if isinstance(e, ray.exceptions.RayActorError):
+        w.mark_dead(f"{type(e).__name__} on a call")
+        return AttemptFailed(f"{role} worker {w.worker_id} is gone", **pair)
+    if is_retryable(e):
+        return AttemptFailed(f"{type(e).__name__}: {e}", error=e if isinstance(e, DuetError) else None, **pair)
+    return e

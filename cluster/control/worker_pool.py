@@ -21,34 +21,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
-import shutil
 from concurrent.futures import Future
 from typing import Any
 
 from cluster.control import expert_groups, reattach
 from cluster.control.bounded import bounded
-from cluster.control.admission import pick_decode_worker
+from cluster.control.admission import pick_decode_worker, pick_local_decode_worker
 from cluster.control.pool_healer import PoolHealer
 from cluster.control.router import WorkerLoad
-from cluster.control.spec import ClusterSpec, decode_threads, local_prefill, prefill_threads, shared_core_options
+from cluster.control.spec import ClusterSpec, NodeShare
 from cluster.control.streams import DecodeStreams
 from cluster.control.worker import Worker, await_ref
 from engine.config import DTYPES, TextConfig
-from engine.errors import InvalidRequestError, OutOfBlocksError
+from engine.errors import InvalidRequestError
 from kv_transfer import ClusterSecret
 from node_common import messages
-from node_common.core_share import board_directory
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
-
-
-# a decode worker's pending local prefills (WorkerPool.pick_local_decode): up to this many prompts of the longest
-# local size, which share its next step (two 262-token prompts arriving together, 2 req/s text on 2 cores: the
-# second went to the prefill worker and took twice the first one's time to its first token)
-LOCAL_PENDING_PROMPTS = 2
 
 
 class WorkerPool:
@@ -73,15 +64,7 @@ class WorkerPool:
         self._closing = False
         self._healing: Future | None = None  # the healer's monitor (start)
         self.healer = PoolHealer(spec.heal_policy(), self)
-        nodes = len([n for n in ray.nodes() if n.get("Alive")])
-        self.prefill_threads = prefill_threads(spec, nodes)
-        self.local_prefill = local_prefill(spec, nodes)  # text prompts the decode workers prefill themselves
-        self.decode_threads = decode_threads(spec, nodes)
-        # where decode steps widen while the prefill workers are idle, the node's board that says whether they are
-        self.busy_board = board_directory(spec.detached_name or f"{os.getpid()}-{secrets.token_hex(4)}") \
-            if self.decode_threads["adaptive_threads"] else None
-        logger.info("prefill workers: %d threads each%s", self.prefill_threads["num_threads"],
-                    ", below decode in priority (sharing the node's cores)" if self.prefill_threads["nice"] else "")
+        self.share = NodeShare.plan(spec, len([n for n in ray.nodes() if n.get("Alive")]))  # threads, local prefill
         self._detached: dict[str, list[str]] = {}  # worker id -> [role, fingerprint] (spec.detached_name)
         self.prefills, self.decodes = self._start_workers()
         ray.get([w.actor.ping.remote() for w in self.workers()], timeout=300)
@@ -117,19 +100,9 @@ class WorkerPool:
         return pick_decode_worker(self.decodes, blocks, draining=self._draining, exclude=exclude)
 
     def pick_local_decode(self, tokens: int, exclude: frozenset[str]) -> Worker | None:
-        """The decode worker to prefill a text prompt of ``tokens`` tokens itself (``local_prefill``): one outside
-        ``exclude`` whose pending local prompt tokens stay within ``LOCAL_PENDING_PROMPTS`` such prompts with it,
-        the most free blocks first; None when the prompt is too long or no worker has room (it then goes to a
-        prefill worker)."""
-        limit = self.local_prefill
-        if tokens > limit:
-            return None
-        room = [w for w in self.decodes
-                if w.worker_id not in exclude and w.local_tokens + tokens <= LOCAL_PENDING_PROMPTS * limit]
-        try:
-            return pick_decode_worker(room, -(-tokens // self.spec.block_size), draining=self._draining)
-        except OutOfBlocksError:
-            return None
+        """:func:`~cluster.control.admission.pick_local_decode_worker` over this pool."""
+        return pick_local_decode_worker(self.decodes, tokens, self.share.local_prefill, self.spec.block_size,
+                                        draining=self._draining, exclude=exclude)
 
     def pool_sizes(self) -> dict[str, int]:
         """Workers per role that take new requests (draining ones excluded), counting dead ones being respawned
@@ -314,8 +287,7 @@ class WorkerPool:
             fut.cancel()
         if self.spec.detached_name:
             reattach.forget(self.spec.detached_name)
-        if self.busy_board is not None:
-            shutil.rmtree(self.busy_board, ignore_errors=True)
+        self.share.close()
 
     def abandon(self) -> None:
         """Stop watching the workers and leave them running, as a front-end that dies does (tests, upgrades)."""
@@ -331,21 +303,8 @@ class WorkerPool:
 
     def _spawn_args(self, role: str, expert_parallel: Any = None, *, pin: bool = False) -> tuple[dict, dict]:
         """(Ray options, constructor keyword arguments) of a new ``role`` worker (``pin``: take its cores now)."""
-        spec = self.spec
-        common = {"num_threads": max(1, int(spec.cpus_per_worker)), "compression": spec.compression_policy(),
-                  "cpus": self._next_cpus() if spec.pin_cpus and pin else None, "secret": self._secret,
-                  "insecure": spec.data_plane_auth == "off", "model_dir": spec.model_dir,
-                  "engine_config": spec.engine_config(role), "transport": spec.transport}
-        if role == "prefill":
-            extra = {"stream_layers": spec.stream_layers, "kv_proxy": spec.kv_proxy, **self.prefill_threads,
-                     "busy_board": self.busy_board}
-        else:
-            extra = {"num_threads": self.decode_threads["num_threads"],
-                     "lease_base_s": spec.lease_base_s, "lease_min_rate_bps": spec.lease_min_rate_bps,
-                     "expert_parallel": expert_parallel, "expert_tiers": spec.tier_config(),
-                     "max_threads": self.decode_threads["max_threads"], "busy_board": self.busy_board}
-        shared = shared_core_options(self.prefill_threads) if role == "prefill" else {}
-        return {**spec.actor_options(role), "max_concurrency": 16, **shared}, {**common, **extra}
+        cpus = self._next_cpus() if self.spec.pin_cpus and pin else None
+        return self.share.actor_args(self.spec, role, secret=self._secret, cpus=cpus, expert_parallel=expert_parallel)
 
     def _spawn(self, role: str, worker_id: str, expert_parallel: Any = None) -> Worker:
         import ray

@@ -97,7 +97,8 @@ class Server:
         return ctx
 
     def ready_line(self) -> str:
-        spec, threads, local = self.cluster.spec, self.cluster.pool.prefill_threads, self.cluster.pool.local_prefill
+        spec, share = self.cluster.spec, self.cluster.pool.share
+        threads, local = share.prefill, share.local_prefill
         shared = (f" (nice {threads['nice']}: decode first"
                   f"{', fewer while decode steps' if threads.get('adaptive_threads') else ''})") if threads["nice"] else ""
         if local:  # why: on shared cores a short prompt's hand-off costs more than its prefill step

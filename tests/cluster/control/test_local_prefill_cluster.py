@@ -47,7 +47,7 @@ def test_short_text_prompts_prefill_on_the_decode_worker_the_rest_on_the_prefill
     rows = {r["worker_id"]: r for r in cluster.status()}
     assert rows[decode]["local_steps"] >= 1
     if (os.cpu_count() or 1) >= 2:  # its steps widen to the node's idle cores while no prefill worker has work
-        assert cluster.pool.decode_threads["max_threads"] >= 2 and rows[decode]["wide_steps"] >= 1
+        assert cluster.pool.share.decode["max_threads"] >= 2 and rows[decode]["wide_steps"] >= 1
     assert all(w.local_tokens == 0 for w in cluster.decodes)
 
 

@@ -1,4 +1,4 @@
-"""How many threads a prefill worker runs and at what priority (:func:`cluster.control.worker_pool.prefill_threads`),
+"""How many threads a prefill worker runs and at what priority (:func:`cluster.control.spec.prefill_threads`),
 and which text prompts the decode workers prefill themselves (:func:`cluster.control.spec.local_prefill`): pure, no
 Ray."""
 
@@ -12,9 +12,9 @@ from cluster.control.spec import (
     ClusterSpec,
     decode_threads,
     local_prefill,
+    prefill_threads,
     shared_core_options,
 )
-from cluster.control.worker_pool import prefill_threads
 from engine.errors import InvalidRequestError
 
 
