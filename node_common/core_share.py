@@ -101,8 +101,12 @@ class BusyBoard:
         self._busy: bool | None = None
         self._read_at, self._answer = -1.0, False
         if self._path is not None:
-            os.makedirs(self.directory, exist_ok=True)
-            self.set(False)
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+            except OSError:  # not writable here: this worker never says it is busy (decode keeps its own threads)
+                self._path = None
+            else:
+                self.set(False)
 
     def set(self, busy: bool) -> None:
         """The writer's state (a file write only when it changed; best effort: an unwritable board reads idle)."""

@@ -58,3 +58,12 @@ def test_a_missing_or_garbled_board_reads_idle(tmp_path):
     (tmp_path / "x.busy").write_bytes(b"not a record")
     assert not _fresh(BusyBoard(tmp_path))
     assert core_share.board_directory("k").endswith("duet-board-k")
+
+
+def test_a_board_that_cannot_be_written_is_no_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    w = BusyBoard(blocker / "board", "prefill-0")  # a worker still starts
+    w.set(True)
+    w.close()
+    assert not _fresh(BusyBoard(blocker / "board"))
