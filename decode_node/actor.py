@@ -233,9 +233,9 @@ class DecodeActor(WorkerActorBase):
     def _loop(self) -> None:
         if self.worker.ep is not None:
             return self._group_loop()
-        # with a board: every step widens while no prefill worker on it has work (its own reading: what others do
-        # now is what they want, whatever they managed to run); without one, only a step that prefills a prompt
-        # admitted here, on the cores the others left free since the last steps
+        # with a board: every step widens while no prefill worker on it has work (what they say they need, not what
+        # they managed to run: a prefill worker below decode in priority looks idle when decode took its cores);
+        # without one, only a step that prefills a prompt admitted here, on the cores the others left free lately
         widen = self.max_threads > self.num_threads
         share = CoreShare(self.max_threads) if widen and self._board is None else None
         threads = self.num_threads
@@ -250,7 +250,7 @@ class DecodeActor(WorkerActorBase):
                     if self._board is not None:
                         want = self.num_threads if self._board.any_busy() else self.max_threads
                     else:
-                        free = share.threads()  # read every turn: the window is then the last few steps
+                        free = share.threads()  # read every decoding turn: the window is the last few steps
                         want = max(self.num_threads, free) if local else self.num_threads
                     if want != threads:
                         threads = want
