@@ -59,7 +59,11 @@ class DecodeRequest:
     receiver: KVReceiver | None
     clock: TransferClock
     reported: Reported = field(default_factory=Reported)
-    local: bool = False
+
+    @property
+    def local(self) -> bool:
+        """Prefilled here (``admit_local``): no lease was issued for it."""
+        return self.lease is None
 
     @property
     def receiving(self) -> bool:

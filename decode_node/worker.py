@@ -49,7 +49,6 @@ from decode_node.expert_tiers import ExpertTiers, TierConfig
 from decode_node.request_state import DecodeRequest, StepReport, TransferClock, local_stats, step_events
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import DuetError, InvalidRequestError
-from engine.inputs import ProcessedPrompt
 from engine.sequence import Sequence
 from engine.outputs import TokenLogprobs
 from kv_transfer import (
@@ -166,18 +165,17 @@ class DecodeWorker:
         """:meth:`admit_local`'s checks (any thread; nothing changes): the request's new sequence."""
         if self.ep is not None or self.tiers is not None:
             raise InvalidRequestError("an expert-parallel or tiered decode worker does not prefill prompts itself")
-        inputs = self.engine.inputs
-        prompt = inputs.check_processed(prompt) if isinstance(prompt, ProcessedPrompt) else inputs.process(prompt)
-        if prompt.num_visual_tokens:
+        seq = self.engine.make_sequence(request_id, prompt, params)  # refuses images without pixels itself
+        if seq.mm is not None and len(seq.mm.positions):
             raise InvalidRequestError("a decode worker holds no pixels: prompts with images are prefilled by a "
                                       "prefill worker")
-        return self.engine.make_sequence(request_id, prompt, params)
+        return seq
 
     def add_local(self, seq: Sequence) -> None:
         """Queue a sequence from :meth:`check_local` (the stepping thread)."""
         with self.recv_lock:
             self.engine.add_sequence(seq)
-        self.requests[seq.request_id] = DecodeRequest(seq.request_id, None, None, TransferClock(), local=True)
+        self.requests[seq.request_id] = DecodeRequest(seq.request_id, None, None, TransferClock())
 
     @property
     def local_prefilling(self) -> bool:

@@ -20,11 +20,12 @@ before serving (:mod:`cluster.control.expert_groups`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -312,35 +313,28 @@ class DisaggCluster:
             decode = a.bind(self.pool.pick_decode(blocks, exclude_d))  # after the wait: free blocks may have changed
             pair = {"prefill_worker": pw.worker_id, "decode_worker": decode.worker_id}
             body = dict(request_id=rid, params=messages.params_to_dict(params))
-            with self.streams.inbox(rid, decode.worker_id) as inbox:
+            with self.streams.inbox(rid, decode.worker_id) as inbox, self._ending(a, rid):
+                try:  # no image data to decode: it never encodes
+                    start_by = time.time() + (deadline - time.monotonic())  # the lease waits for prefill
+                    to_decode = messages.pack(**body, prompt=wire["decode"], start_by_s=start_by)
+                    reply = messages.unpack(await call(decode.actor.allocate, to_decode, deadline))
+                except Exception as e:  # noqa: BLE001 - sorted by call_failure
+                    raise call_failure(e, "decode", decode, pair) from None
+                decode.load.free_blocks = reply["free_blocks"]
+                allocated_at = time.monotonic()
                 try:
-                    try:  # no image data to decode: it never encodes
-                        start_by = time.time() + (deadline - time.monotonic())  # the lease waits for prefill
-                        to_decode = messages.pack(**body, prompt=wire["decode"], start_by_s=start_by)
-                        reply = messages.unpack(await call(decode.actor.allocate, to_decode, deadline))
-                    except Exception as e:  # noqa: BLE001 - sorted by call_failure
-                        raise call_failure(e, "decode", decode, pair) from None
-                    decode.load.free_blocks = reply["free_blocks"]
-                    allocated_at = time.monotonic()
-                    try:
-                        to_prefill = messages.pack(**body, prompt=wire["prefill"], lease=reply["lease"])
-                        reply = messages.unpack(await call(pw.actor.submit, to_prefill, deadline))
-                        a.submitted(self._apply_report(pw, reply),
-                                    self.admission.queued_ahead(pw, p.num_visual_tokens > 0))
-                    except Exception as e:  # noqa: BLE001 - sorted by call_failure
-                        if decode.alive:
-                            decode.actor.abort.remote(rid)
-                        raise call_failure(e, "prefill", pw, pair) from None
-                    placement = WorkerPair(time.monotonic(), **pair, admitted_at=admitted_at,
-                                           allocated_at=allocated_at)
-                    async for delta in self._relay(a, inbox, rid, deadline, attempt, placement, p):
-                        yield delta
-                except (asyncio.TimeoutError, RequestTimeoutError):
-                    a.abort(rid)
-                    raise self._timed_out(rid) from None
-                except (DuetError, GeneratorExit, asyncio.CancelledError):
-                    a.abort(rid)
-                    raise
+                    to_prefill = messages.pack(**body, prompt=wire["prefill"], lease=reply["lease"])
+                    reply = messages.unpack(await call(pw.actor.submit, to_prefill, deadline))
+                    a.submitted(self._apply_report(pw, reply),
+                                self.admission.queued_ahead(pw, p.num_visual_tokens > 0))
+                except Exception as e:  # noqa: BLE001 - sorted by call_failure
+                    if decode.alive:
+                        decode.actor.abort.remote(rid)
+                    raise call_failure(e, "prefill", pw, pair) from None
+                placement = WorkerPair(time.monotonic(), **pair, admitted_at=admitted_at,
+                                       allocated_at=allocated_at)
+                async for delta in self._relay(a, inbox, rid, deadline, attempt, placement, p):
+                    yield delta
 
     async def _attempt_local(self, rid: str, wire: dict, params: SamplingParams, p: Any, decode: Worker,
                              deadline: float, attempt: int) -> AsyncIterator[Delta]:
@@ -348,27 +342,32 @@ class DisaggCluster:
         (:meth:`~cluster.control.worker_pool.WorkerPool.pick_local_decode`); raises
         :class:`AttemptFailed` when another worker may do better, a typed error otherwise."""
         pair = {"prefill_worker": decode.worker_id, "decode_worker": decode.worker_id}
-        with LocalHold(decode, len(p.token_ids)) as hold, self.streams.inbox(rid, decode.worker_id) as inbox:
+        with LocalHold(decode, len(p.token_ids)) as hold, self.streams.inbox(rid, decode.worker_id) as inbox, \
+                self._ending(hold, rid):
+            admitted_at = time.monotonic()
             try:
-                admitted_at = time.monotonic()
-                try:
-                    msg = messages.pack(request_id=rid, params=messages.params_to_dict(params), prompt=wire["decode"])
-                    reply = messages.unpack(await call(decode.actor.admit_local, msg, deadline))
-                except Exception as e:  # noqa: BLE001 - sorted by call_failure
-                    raise call_failure(e, "decode", decode, pair) from None
-                decode.load.free_blocks = reply["free_blocks"]
-                placement = WorkerPair(time.monotonic(), **pair, admitted_at=admitted_at, allocated_at=admitted_at)
-                async for delta in self._relay(hold, inbox, rid, deadline, attempt, placement, None):
-                    yield delta
-            except (asyncio.TimeoutError, RequestTimeoutError):
-                hold.abort(rid)
-                raise self._timed_out(rid) from None
-            except (DuetError, GeneratorExit, asyncio.CancelledError):
-                hold.abort(rid)
-                raise
+                msg = messages.pack(request_id=rid, params=messages.params_to_dict(params), prompt=wire["decode"])
+                reply = messages.unpack(await call(decode.actor.admit_local, msg, deadline))
+            except Exception as e:  # noqa: BLE001 - sorted by call_failure
+                raise call_failure(e, "decode", decode, pair) from None
+            decode.load.free_blocks = reply["free_blocks"]
+            placement = WorkerPair(time.monotonic(), **pair, admitted_at=admitted_at, allocated_at=admitted_at)
+            async for delta in self._relay(hold, inbox, rid, deadline, attempt, placement, None):
+                yield delta
 
-    def _timed_out(self, rid: str) -> RequestTimeoutError:
-        return RequestTimeoutError(f"request {rid} did not finish within {self.spec.request_timeout_s:.0f} s")
+    @contextlib.contextmanager
+    def _ending(self, hold: Assignment | LocalHold, rid: str) -> Iterator[None]:
+        """How an attempt ends abnormally: its deadline as :class:`RequestTimeoutError`, a typed error, the caller
+        gone or cancelled -- each after asking its workers to drop the request."""
+        try:
+            yield
+        except (asyncio.TimeoutError, RequestTimeoutError):
+            hold.abort(rid)
+            raise RequestTimeoutError(
+                f"request {rid} did not finish within {self.spec.request_timeout_s:.0f} s") from None
+        except (DuetError, GeneratorExit, asyncio.CancelledError):
+            hold.abort(rid)
+            raise
 
     async def _relay(self, hold: Assignment | LocalHold, inbox: Any, rid: str, deadline: float, attempt: int,
                      placement: WorkerPair | None, p: Any) -> AsyncIterator[Delta]:

@@ -12,10 +12,10 @@ from decode_node.worker import DecodeWorker
 from engine import EngineConfig, SamplingParams
 from engine.errors import InvalidRequestError
 from kv_transfer.inproc.manager import Manager as InprocManager
-from node_common.events import TokenEvent, event_from_wire
+from node_common.events import TokenEvent
 from prefill_node.worker import PrefillWorker
 from tests.conftest import greedy, make_image, make_request
-from tests.decode_node.test_workers_inproc import CFG, _check_events, _idle, _local
+from tests.decode_node.test_workers_inproc import CFG, _idle, _local, _step_until_idle
 
 
 def _drive(pw, dw, pm, received, local):
@@ -25,20 +25,7 @@ def _drive(pw, dw, pm, received, local):
         pw.submit(f"x{i}", p, sp, pm.sender(dw.allocate(f"x{i}", p, sp)))
     for i, (p, sp) in enumerate(local):
         dw.admit_local(f"l{i}", p, sp)
-    tokens, failed, events = {}, {}, []
-    for _ in range(2000):
-        if not (pw.has_work() or dw.has_work()):
-            break
-        pw.step()
-        report = dw.step()
-        failed.update(report.failed)
-        events.extend(event_from_wire(ev.to_wire()) for ev in report.events)
-        for out in report.outputs:
-            tokens[out.request_id] = out.outputs[0].token_ids
-        if not pw.has_work() and dw.receivers:
-            next(iter(dw.receivers.values())).wait(0.05)
-    _check_events(events, tokens, failed)
-    return tokens, failed, events
+    return _step_until_idle(pw, dw)
 
 
 @pytest.fixture

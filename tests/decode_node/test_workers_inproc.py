@@ -26,13 +26,20 @@ def _pair(model_dir, stream_layers=True):
 
 
 def _run(pw, dw, pm, prompts, params, *, tamper=None):
-    tokens, failed, events = {}, {}, []
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         lease = dw.allocate(f"r{i}", p, sp)
         sender = pm.sender(lease)
         if tamper is not None and i == 0:
             sender.tamper = tamper
         pw.submit(f"r{i}", p, sp, sender)
+    tokens, failed, _ = _step_until_idle(pw, dw)
+    return [tokens.get(f"r{i}") for i in range(len(prompts))], failed
+
+
+def _step_until_idle(pw, dw):
+    """Step both workers until neither has work; returns the tokens by request id, the failures and every event
+    (checked by :func:`_check_events`)."""
+    tokens, failed, events = {}, {}, []
     for _ in range(2000):
         if not (pw.has_work() or dw.has_work()):
             break
@@ -45,7 +52,7 @@ def _run(pw, dw, pm, prompts, params, *, tamper=None):
         if not pw.has_work() and dw.receivers:
             next(iter(dw.receivers.values())).wait(0.05)
     _check_events(events, tokens, failed)
-    return [tokens.get(f"r{i}") for i in range(len(prompts))], failed
+    return tokens, failed, events
 
 
 def _check_events(events, tokens: dict[str, list[int]], failed: dict[str, str]) -> None:
