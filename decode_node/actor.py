@@ -215,7 +215,7 @@ class DecodeActor(WorkerActorBase):
                                  kv_pool_bytes=kv.pool_bytes, kv_mirror_bytes=kv.mirror_bytes,
                                  kv_state_bytes=kv.state_bytes, running=len(e.scheduler.running),
                                  step_s=self.worker.step_s, cpu_s=time.process_time(),
-                                 local_steps=self.local_steps, wide_steps=self.wide_steps,
+                                 local_steps=self.local_steps, wide_steps=self.wide_steps, nice=self.nice,
                                  experts=experts, expert_tiers=tiers, kv_refused=self.manager.refused(),
                                  kv_endpoint=self.manager.endpoint)
 

@@ -7,6 +7,7 @@ Subclasses set ``role`` and ``self.manager``, build ``self.worker`` (with ``has_
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from typing import Callable
@@ -17,17 +18,18 @@ from engine.isolation import STAGES
 from node_common import messages
 from node_common.turn_lock import TurnLock
 
+logger = logging.getLogger(__name__)
+
 
 class WorkerActorBase:
     role = "worker"
 
     def _init_common(self, worker_id: str, num_threads: int, cpus: list[int] | None = None, nice: int = 0) -> None:
-        """``nice`` > 0: this worker runs at a lower scheduling priority (a prefill worker sharing cores with decode
-        workers: their steps come first, it takes what is left)."""
+        """``nice``: this worker's scheduling priority, set whatever the process started at (see :func:`set_priority`);
+        > 0 for a prefill worker sharing cores with decode workers: their steps come first, it takes what is left."""
         if cpus:
             pin_process(cpus)
-        if nice > 0:
-            lower_priority(nice)
+        self.nice = set_priority(nice)
         self.num_threads = max(1, num_threads)  # the loop thread's (see _build)
         self.worker_id = worker_id
         self.lock = TurnLock()  # the loop gives way to waiting calls between steps (node_common.turn_lock)
@@ -118,16 +120,35 @@ def _threads() -> list[int]:
         return [0]
 
 
-def lower_priority(nice: int) -> None:
-    """Raise every thread's nice value to ``nice`` (Linux: nice is per thread; threads started later inherit it from
-    their creator). Best effort: a platform without it runs at normal priority."""
+# the nice value of a worker that should run below the others where it cannot be given its own (see set_priority)
+LOWEST_NICE = 19
+
+
+def set_priority(nice: int) -> int:
+    """Set every thread's nice value to ``nice`` (Linux: nice is per thread; threads started later inherit it from
+    their creator) and return the level this process now runs at. Ray starts a worker process at nice 15 (its
+    ``worker_niceness``), below the front-end, raylet and GCS at 0: a decode worker left there lost its cores to every
+    wake-up of those (a served 256-token prefill on its two threads: 50 ms against 40 ms at nice 0, 2-core host), and a
+    prefill worker lowered to nice 10 outranked it. Raising priority back needs CAP_SYS_NICE (or RLIMIT_NICE): without
+    it a worker keeps the level it has, and one that should run below the others (``nice`` > 0) goes to
+    ``LOWEST_NICE``, so the order holds. A platform without ``setpriority`` runs as it started."""
     if not hasattr(os, "setpriority"):
-        return
+        return 0
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)  # this thread first: it tells whether the level is allowed
+        level = nice
+    except OSError:
+        if nice <= 0:
+            logger.warning("worker stays at nice %d (not permitted to set %d)", current, nice)
+            return current
+        level = max(current, LOWEST_NICE)
     for tid in _threads():
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
+            os.setpriority(os.PRIO_PROCESS, tid, level)
         except OSError:  # a thread that exited meanwhile, or not permitted
             pass
+    return level
 
 
 def pin_process(cpus: list[int]) -> None:

@@ -96,7 +96,7 @@ class PrefillActor(WorkerActorBase):
                                  kv_state_bytes=kv.state_bytes, prefix_cache_off=e.prefix_caching_off_reason,
                                  kv_refused=self.manager.refused(), kv_links_replaced=getattr(self.manager, "links_replaced", 0),
                                  cpu_s=time.process_time(),  # every thread's: compute, intake, KV sends
-                                 threads=self._threads_now, thread_changes=self.thread_changes)
+                                 threads=self._threads_now, thread_changes=self.thread_changes, nice=self.nice)
 
     def inject_fault(self, kind: str, value: float) -> None:
         """Tests only: ``layer_delay_s`` (seconds after each layer's compute) or ``corrupt_next`` (count)."""

@@ -70,7 +70,7 @@ class _Waiter:
 class PrefillAdmission:
     """Admits prompts to prefill workers under each worker's cap (see the module docstring). Front-end loop only."""
 
-    def __init__(self, spec: ClusterSpec) -> None:
+    def __init__(self, spec: ClusterSpec, local_prefill: int = 0) -> None:
         self.block_size = spec.block_size
         self.prefix_caching = bool(spec.extra_engine.get("enable_prefix_caching", True))
         self._lease_base_s = spec.lease_base_s
@@ -82,9 +82,9 @@ class PrefillAdmission:
         # an image token's prefill work in text tokens (vision tower + language model), learnt from the workers'
         # reported stages (observe_stages); one value for the pool: its workers run one model on one kind of machine
         self.visual_weight = 1.0
-        # prefill workers run a vision stage (Qwen3-VL, spec.prefill_vision_slice_s): a prompt without images passes
-        # image prompts there, so image prompts do not take its room (load_of)
-        self.text_lane = (spec.prefill_vision_slice_s is not None
+        # prefill workers run a vision stage (Qwen3-VL, spec.vision_slice): a prompt without images passes image
+        # prompts there, so image prompts do not take its room (load_of)
+        self.text_lane = (spec.vision_slice(local_prefill) is not None
                           and ModelConfig.from_pretrained(spec.model_dir).is_qwen_vl)
 
     async def admit(self, live: Callable[[], list[Worker]], n_prompt: int, hashes: list[bytes], rid: str,
@@ -253,21 +253,23 @@ def pick_decode_worker(decodes: list[Worker], blocks: int, *, draining: Any,
     return next(w for w in decodes if w.load is load)
 
 
-# a decode worker's pending local prefills (pick_local_decode_worker): up to this many prompts of the longest local
-# size, which share its next step (two 262-token prompts arriving together, 2 req/s text on 2 cores: the second went
+# a decode worker's pending local prefills (pick_local_decode_worker): up to this many prompts of the new one's
+# length, which share its next step (two 262-token prompts arriving together, 2 req/s text on 2 cores: the second went
 # to the prefill worker and took twice the first one's time to its first token)
 LOCAL_PENDING_PROMPTS = 2
+LOCAL_PENDING_MIN_TOKENS = 512  # ... counting a shorter prompt as this long
 
 
 def pick_local_decode_worker(decodes: list[Worker], tokens: int, limit: int, block_size: int, *, draining: Any,
                              exclude: frozenset[str] = frozenset()) -> Worker | None:
     """The decode worker to prefill a text prompt of ``tokens`` tokens itself (``ClusterSpec.local_prefill_tokens``
-    = ``limit``): one outside ``exclude`` whose pending local prompt tokens stay within ``LOCAL_PENDING_PROMPTS``
-    such prompts with it, the most free blocks first; None when the prompt is too long or no worker has room (it then
-    goes to a prefill worker)."""
+    = ``limit``): one outside ``exclude`` whose pending local prompt tokens, this prompt's included, stay within
+    ``LOCAL_PENDING_PROMPTS`` prompts of its length (``LOCAL_PENDING_MIN_TOKENS`` at least), the most free blocks
+    first; None when the prompt is too long or no worker has room (it then goes to a prefill worker, which runs beside
+    the decode worker's queue instead of behind it)."""
     if tokens > limit:
         return None
-    pending = LOCAL_PENDING_PROMPTS * limit
+    pending = LOCAL_PENDING_PROMPTS * max(tokens, LOCAL_PENDING_MIN_TOKENS)
     room = [w for w in decodes if w.worker_id not in exclude and w.local_tokens + tokens <= pending]
     try:
         return pick_decode_worker(room, -(-tokens // block_size), draining=draining)

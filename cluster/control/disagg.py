@@ -79,7 +79,7 @@ class DisaggCluster:
         self.streams = DecodeStreams(coalesce_s=spec.stream_interval_s)
         self.pool = WorkerPool(spec, cfg.text, self._secret, self.streams, self._loop)  # starts every actor
         self.inputs.max_model_len = self.pool.max_model_len  # the front-end's limits use the workers' value
-        self.admission = PrefillAdmission(spec)  # prefill admission and its waiters (front-end loop only)
+        self.admission = PrefillAdmission(spec, self.pool.share.local_prefill)  # prefill admission and its waiters (front-end loop only)
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop.run_forever, name="duet-frontend", daemon=True)
         self._thread.start()

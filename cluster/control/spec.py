@@ -15,10 +15,13 @@ from engine.errors import InvalidRequestError
 from kv_transfer import DEFAULT_LEASE, TRANSPORTS, get_manager_class
 from node_common.core_share import board_directory
 DATA_PLANE_AUTH = ("hmac", "off")
-# ClusterSpec.local_prefill_tokens's default where prefill and decode workers share a CPU node: a prompt this long
-# holds the decode batch for one step of a few tens of ms on a small host (a 256-token step: 42 ms on 2 cores)
-LOCAL_PREFILL_TOKENS = 512
+# ClusterSpec.local_prefill_tokens's default where prefill and decode workers share a CPU node: one default step budget
+# (EngineConfig.max_num_batched_tokens). Such a prompt holds the decode batch for its step, as a colocated engine's
+# would; on 2 cores the prefill worker's path costs more: 1,024-token prompts at 1 req/s, TTFT p50 184 ms / TPOT p50
+# 4.65 ms prefilled here against 333 ms / 5.25 ms through the prefill worker (512 was the limit then)
+LOCAL_PREFILL_TOKENS = 4096
 PREFILL_NICE = 10  # a prefill worker sharing cores with decode workers (prefill_threads None)
+VISION_SLICE_S = 0.05  # ClusterSpec.prefill_vision_slice_s where prefill workers take text prompts
 
 
 @dataclass(frozen=True)
@@ -62,16 +65,17 @@ class ClusterSpec:
     # others leave free while no prefill worker on the node has work (node_common.core_share.BusyBoard)
     decode_adaptive_threads: bool = True
     # text prompts of up to this many tokens are prefilled by their decode worker itself, in its own batch (no
-    # prefill worker, no KV transfer), while it has no more than twice this many prompt tokens of such prefills
-    # pending (cluster.control.worker_pool.LOCAL_PENDING_PROMPTS);
+    # prefill worker, no KV transfer), while it has no more than two such prompts' tokens of prefills pending
+    # (cluster.control.admission.LOCAL_PENDING_PROMPTS);
     # those steps take the cores the other workers leave free. None: LOCAL_PREFILL_TOKENS where the workers share
     # one CPU node's cores (as for prefill_threads) and decode workers hold all experts; else 0 (off: a GPU host
     # runs one worker per GPU, and a prompt's prefill belongs to the prefill pool). See local_prefill()
     local_prefill_tokens: int | None = None
     # Qwen3-VL prefill workers run the vision tower in slices of about this many seconds ahead of scheduling
     # (EngineConfig.vision_slice_s), so a text prompt arriving during a large image's encoding waits one slice, not
-    # the whole tower call; None: each image encoded whole in the step that schedules its prompt
-    prefill_vision_slice_s: float | None = 0.05
+    # the whole tower call; None: each image encoded whole in the step that schedules its prompt. "auto":
+    # VISION_SLICE_S, or None where decode workers prefill text prompts themselves (see vision_slice())
+    prefill_vision_slice_s: float | str | None = "auto"
     gpus_per_worker: float = 0.0
     stream_layers: bool = True
     request_timeout_s: float = 600.0
@@ -140,8 +144,10 @@ class ClusterSpec:
         if not (isinstance(self.stream_interval_s, (int, float)) and 0 <= self.stream_interval_s <= 0.1):
             raise InvalidRequestError(f"stream_interval_s must be within [0, 0.1] seconds, got "
                                       f"{self.stream_interval_s!r}")
-        if self.prefill_vision_slice_s is not None and not self.prefill_vision_slice_s > 0:
-            raise InvalidRequestError("prefill_vision_slice_s must be > 0 (or None)")
+        slice_s = self.prefill_vision_slice_s
+        if not (slice_s is None or slice_s == "auto" or (isinstance(slice_s, (int, float))
+                                                          and not isinstance(slice_s, bool) and slice_s > 0)):
+            raise InvalidRequestError(f"prefill_vision_slice_s must be > 0, \"auto\" or None, got {slice_s!r}")
         if self.local_prefill_tokens is not None and (isinstance(self.local_prefill_tokens, bool) or not isinstance(
                 self.local_prefill_tokens, int) or self.local_prefill_tokens < 0):
             raise InvalidRequestError(f"local_prefill_tokens must be an integer >= 0 (or None), got "
@@ -257,17 +263,26 @@ class ClusterSpec:
             raise InvalidRequestError(f"kv_compression: {e}") from None
         return None if policy is None else policy.to_dict()
 
-    def engine_config(self, role: str) -> dict:
+    def vision_slice(self, local_prefill: int = 0) -> float | None:
+        """The prefill workers' vision slice (``prefill_vision_slice_s``), given the text prompts decode workers
+        prefill themselves (:func:`local_prefill`). "auto" slices only where text prompts go to the prefill workers:
+        slicing lets one through during an image's encoding, and costs the image itself (a 512² image on 2 shared
+        cores: vision 207 ms whole against 242 ms in 0.05 s slices, 8 sequential requests)."""
+        if self.prefill_vision_slice_s == "auto":
+            return None if local_prefill > 0 else VISION_SLICE_S
+        return self.prefill_vision_slice_s
+
+    def engine_config(self, role: str, local_prefill: int = 0) -> dict:
         """EngineConfig fields for a worker of ``role`` (the same pool layout; prefill workers take their own step
-        budget when ``prefill_max_batched_tokens`` is set)."""
+        budget when ``prefill_max_batched_tokens`` is set, and the vision slice of :meth:`vision_slice`)."""
         budget = self.max_num_batched_tokens
         if role == "prefill" and self.prefill_max_batched_tokens is not None:
             budget = self.prefill_max_batched_tokens
         extra = dict(self.extra_engine)
         if role == "prefill":  # a prefill worker never decodes: no staging to reserve
             extra.pop("decode_mirror_tokens", None)
-            if self.prefill_vision_slice_s is not None:
-                extra.setdefault("vision_slice_s", self.prefill_vision_slice_s)
+            if self.vision_slice(local_prefill) is not None:
+                extra.setdefault("vision_slice_s", self.vision_slice(local_prefill))
         return dict(dtype=self.dtype, device="cuda" if self.gpus_per_worker > 0 else "cpu",
                     block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=budget, max_model_len=self.max_model_len, **extra)
@@ -353,7 +368,8 @@ class NodeShare:
         """(Ray options, constructor keyword arguments) of a new ``role`` worker of ``spec`` on this node."""
         common = {"num_threads": max(1, int(spec.cpus_per_worker)), "compression": spec.compression_policy(),
                   "cpus": cpus, "secret": secret, "insecure": spec.data_plane_auth == "off",
-                  "model_dir": spec.model_dir, "engine_config": spec.engine_config(role), "transport": spec.transport}
+                  "model_dir": spec.model_dir, "engine_config": spec.engine_config(role, self.local_prefill),
+                  "transport": spec.transport}
         if role == "prefill":
             extra = {"stream_layers": spec.stream_layers, "kv_proxy": spec.kv_proxy, **self.prefill,
                      "busy_board": self.board}
@@ -362,14 +378,4 @@ class NodeShare:
                      "lease_base_s": spec.lease_base_s, "lease_min_rate_bps": spec.lease_min_rate_bps,
                      "expert_parallel": expert_parallel, "expert_tiers": spec.tier_config(),
                      "max_threads": self.decode["max_threads"], "busy_board": self.board}
-        shared = shared_core_options(self.prefill) if role == "prefill" else {}
-        return {**spec.actor_options(role), "max_concurrency": 16, **shared}, {**common, **extra}
-
-
-def shared_core_options(threads: dict[str, int]) -> dict:
-    """Ray options of a prefill worker that shares its node's cores with decode workers (``threads["nice"]`` > 0, see
-    :func:`prefill_threads`): its OpenMP threads sleep as soon as a parallel region ends instead of spinning, so a
-    decode step does not share its core with a prefill thread that only waits (libgomp reads the policy when it
-    loads, hence the environment). Measured with vllm-serve-peer's img1024 on 2 cores, 2 rounds each, alternating:
-    decode TPOT p50 12.8 / 14.9 ms against 17.4 / 21.6 ms spinning, TTFT p50 3.28 / 4.12 s against 3.30 / 3.53 s."""
-    return {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}} if threads.get("nice") else {}
+        return {**spec.actor_options(role), "max_concurrency": 16}, {**common, **extra}

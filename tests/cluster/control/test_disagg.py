@@ -75,6 +75,9 @@ def test_spec_is_validated(tiny_model_dir, tmp_path):
         ClusterSpec(model_dir=str(tiny_model_dir), prefill_max_batched_tokens=0)
     with pytest.raises(InvalidRequestError, match="prefill_vision_slice_s"):
         ClusterSpec(model_dir=str(tiny_model_dir), prefill_vision_slice_s=0)
+    for bad in ("always", True, -1.0):
+        with pytest.raises(InvalidRequestError, match="prefill_vision_slice_s"):
+            ClusterSpec(model_dir=str(tiny_model_dir), prefill_vision_slice_s=bad)
 
 
 def test_prefill_workers_run_the_vision_tower_in_slices_by_default(tiny_model_dir):

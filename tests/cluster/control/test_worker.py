@@ -184,3 +184,18 @@ def test_an_unmeasured_prefill_worker_is_admitted_as_much_as_the_slowest_measure
     fast.charge(200, 0)  # the measured worker is busy: the fresh one takes prompts beyond its first
     picks = asyncio.run(place(3))
     assert picks == ["prefill-2"] * 3 and fresh.prefill_tokens == 30
+
+
+def test_a_local_prefill_waits_behind_at_most_one_prompt_of_its_length():
+    from cluster.control.admission import LOCAL_PENDING_MIN_TOKENS, pick_local_decode_worker
+    w = Worker(WorkerLoad("decode-0", free_blocks=1000), _actor())
+    pick = lambda tokens: pick_local_decode_worker([w], tokens, 4096, 16, draining=set())  # noqa: E731
+    assert pick(4097) is None  # over the limit: the prefill pool's
+    assert pick(4096) is w  # nothing pending: any prompt up to the limit
+    w.local_tokens = 1000
+    assert pick(1000) is w and pick(900) is None  # behind one prompt of its own length, not a longer one
+    w.local_tokens = 3 * LOCAL_PENDING_MIN_TOKENS // 2
+    assert pick(LOCAL_PENDING_MIN_TOKENS // 2) is w  # short prompts count as LOCAL_PENDING_MIN_TOKENS long
+    assert pick(LOCAL_PENDING_MIN_TOKENS // 2 + 1) is None
+    w.local_tokens, w.load.free_blocks = 0, 10
+    assert pick(160) is w and pick(161) is None  # 10 blocks of 16 tokens hold 160

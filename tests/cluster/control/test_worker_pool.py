@@ -9,12 +9,14 @@ import pytest
 from cluster.control.spec import (
     LOCAL_PREFILL_TOKENS,
     PREFILL_NICE,
+    VISION_SLICE_S,
     ClusterSpec,
+    NodeShare,
     decode_threads,
     local_prefill,
     prefill_threads,
-    shared_core_options,
 )
+from cluster.control.admission import PrefillAdmission
 from engine.errors import InvalidRequestError
 
 
@@ -36,11 +38,21 @@ def test_otherwise_the_spec_says(tiny_model_dir, kw, nodes):
     assert prefill_threads(spec, nodes=nodes, cores=16) == {"num_threads": want, "nice": 0, "adaptive_threads": False}
 
 
-def test_only_a_prefill_worker_sharing_cores_sleeps_its_idle_openmp_threads(tiny_model_dir):
-    shared = prefill_threads(ClusterSpec(model_dir=str(tiny_model_dir)), nodes=1, cores=2)
-    assert shared_core_options(shared) == {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
-    own = prefill_threads(ClusterSpec(model_dir=str(tiny_model_dir), pin_cpus=True), nodes=1, cores=2)
-    assert shared_core_options(own) == {}
+def test_the_vision_tower_is_sliced_only_where_text_prompts_reach_the_prefill_workers(tiny_model_dir):
+    spec = ClusterSpec(model_dir=str(tiny_model_dir))
+    shared = NodeShare.plan(spec, nodes=1)
+    try:
+        local = shared.local_prefill
+        _, kw = shared.actor_args(spec, "prefill", secret=None, cpus=None)
+        assert ("vision_slice_s" in kw["engine_config"]) == (local == 0)  # 0 on a host of one core per worker
+    finally:
+        shared.close()
+    assert spec.vision_slice(local_prefill=512) is None and spec.vision_slice(local_prefill=0) == VISION_SLICE_S
+    assert "vision_slice_s" not in spec.engine_config("prefill", local_prefill=512)
+    assert spec.engine_config("prefill", local_prefill=0)["vision_slice_s"] == VISION_SLICE_S
+    mine = ClusterSpec(model_dir=str(tiny_model_dir), prefill_vision_slice_s=0.1)
+    assert mine.engine_config("prefill", local_prefill=512)["vision_slice_s"] == 0.1  # set: kept
+    assert PrefillAdmission(spec, local_prefill=512).text_lane is False
 
 
 @pytest.mark.parametrize("name", ["prefill_threads", "decode_threads"])
