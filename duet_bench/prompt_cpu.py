@@ -62,7 +62,8 @@ def measure(model_dir: str, prompt: dict, iters: int) -> dict:
         fe.append(time.process_time() - t)
         t = time.process_time()
         for msg in (to_decode, to_prefill):
-            front.inputs.check_processed(prompt_wire.prompt_from_wire(messages.unpack(msg)["prompt"]))
+            front.inputs.check_processed(prompt_wire.prompt_from_wire(messages.unpack(msg)["prompt"],
+                                                                      front.inputs.image_processor))
         intake.append(time.process_time() - t)
     return {"frontend_ms": 1e3 * statistics.median(fe), "intake_ms": 1e3 * statistics.median(intake),
             "prefill_msg_kb": len(to_prefill) / 1024, "decode_msg_kb": len(to_decode) / 1024}

@@ -32,7 +32,7 @@ from engine.errors import (
     TokenOutOfVocabError,
     UnsupportedInputError,
 )
-from engine.image_processor import ImageProcessor, image_content_hash, load_image
+from engine.image_processor import DeferredPixels, ImageProcessor, image_content_hash, load_image
 from engine.models.qwen3_vl.image_processor import QwenVLImageProcessor
 from engine.mrope import rope_index
 from engine.sequence import MultiModalInput
@@ -221,7 +221,7 @@ class InputProcessor:
         grids = np.asarray([processor.grid_thw(im.height, im.width) for im in images], dtype=np.int64)
         mrope, delta = rope_index(arr, int(self.cfg.image_token_index), grids, processor.merge_size)
         # deferred like LLaVA's: only a worker that runs the vision tower resizes and patches the images
-        return MultiModalInput(pixel_values=lambda: processor(images)[0],
+        return MultiModalInput(pixel_values=DeferredPixels(processor, images),
                                image_hashes=[image_content_hash(im) for im in images],
                                positions=positions.astype(np.int64), tokens_per_image=0, token_counts=counts,
                                grid_thw=grids, mrope=mrope, mrope_delta=delta)
@@ -240,6 +240,6 @@ class InputProcessor:
         assert self.image_processor is not None
         processor = self.image_processor
         # deferred: the vision tower is the only reader, and a decode worker (KV from a prefill worker) never runs it
-        return MultiModalInput(pixel_values=lambda: processor(images),
+        return MultiModalInput(pixel_values=DeferredPixels(processor, images),
                                image_hashes=[image_content_hash(im) for im in images],
                                positions=positions.astype(np.int64), tokens_per_image=tpi)

@@ -43,6 +43,7 @@ class PrefillActor(WorkerActorBase):
         self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret, insecure=insecure, **via)
         self._build(lambda: PrefillWorker(model_dir, EngineConfig(**engine_config), stream_layers=stream_layers,
                                           compression=compression))
+        self._images = self.worker.engine.image_processor  # resized images on the wire become pixels through it
         self.wake = threading.Event()
         self._start()
 
@@ -53,7 +54,7 @@ class PrefillActor(WorkerActorBase):
             with self.lock:
                 sender = self.manager.sender(lease, codec=self.worker.codec)
                 try:
-                    self.worker.submit(m["request_id"], prompt_wire.prompt_from_wire(m["prompt"]),
+                    self.worker.submit(m["request_id"], prompt_wire.prompt_from_wire(m["prompt"], self._images),
                                        messages.params_from_dict(m["params"]), sender)
                 except BaseException:
                     sender.abort("prefill rejected the request")

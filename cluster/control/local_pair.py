@@ -85,7 +85,8 @@ class LocalPair:
         worker receives it: (prefill's, decode's)."""
         p = prompt if isinstance(prompt, ProcessedPrompt) else self.inputs.process(prompt)
         return tuple(prompt_wire.prompt_from_wire(messages.unpack(messages.pack(
-            prompt=prompt_wire.prompt_to_wire(p, for_encoder=enc)))["prompt"]) for enc in (True, False))
+            prompt=prompt_wire.prompt_to_wire(p, for_encoder=enc)))["prompt"], self.prefill.engine.image_processor)
+            for enc in (True, False))
 
     def close(self) -> None:
         if self.decode.tiers is not None:

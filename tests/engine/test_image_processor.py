@@ -187,3 +187,19 @@ def test_image_content_hash() -> None:
     assert image_content_hash(a) != image_content_hash(b)
     assert image_content_hash(a) != image_content_hash(a.convert("RGBA"))
     assert image_content_hash(a) != image_content_hash(a.resize((8, 16)))
+
+
+@pytest.mark.parametrize("rescale,normalize", [(True, True), (True, False), (False, True), (False, False)])
+def test_the_pixel_table_gives_the_bits_the_arithmetic_gives(rescale: bool, normalize: bool) -> None:
+    """Rescale and normalise by table lookup (``pixel_table``): every uint8 value in every channel, the same float32
+    as the reference's operations on the image (float64 multiply then float32; float32 subtract and divide)."""
+    from engine.image_processor import lookup_pixels, pixel_table
+
+    mean, std, factor = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711), 1 / 255
+    pixels = np.random.default_rng(0).integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    pixels[0, :3] = [[0, 0, 0], [255, 255, 255], [128, 1, 254]]
+    x = (pixels * np.float64(factor) if rescale else pixels).astype(np.float32)
+    if normalize:
+        x = (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    got = lookup_pixels(pixel_table(rescale, factor, normalize, mean, std), pixels)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), x.view(np.uint32))

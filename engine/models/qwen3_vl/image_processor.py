@@ -37,6 +37,8 @@ from engine.image_processor import (
     _convert_rgb,
     _read_processor_json,
     check_pixel_steps,
+    lookup_pixels,
+    pixel_table,
 )
 
 MAX_ASPECT_RATIO = 200  # smart_resize rejects images whose long side is more than this many times the short side
@@ -188,29 +190,40 @@ class QwenVLImageProcessor:
         ``image_grid_thw`` is int64 ``[len(images), 3]``. Any PIL mode is accepted when ``do_convert_rgb`` is set,
         otherwise images must be RGB (:class:`InvalidRequestError`); bad sizes raise :class:`ImageSizeError`.
         """
-        sizes = [self.resized_size(image.height, image.width) for image in images]  # all checked before pixel work
-        grids = [self._grid(size) for size in sizes]
-        patches = [self._patchify(self._to_float(image, size)) for image, size in zip(images, sizes)]
-        pixel_values = np.concatenate(patches) if patches else np.zeros((0, self.patch_dim), np.float32)
-        return torch.from_numpy(pixel_values), torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
+        resized = self.resize(images)  # every size checked before pixel work
+        grids = [self._grid(a.shape[:2]) for a in resized]
+        return self.from_uint8(resized), torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
+
+    def resize(self, images: list[PIL.Image.Image]) -> list[np.ndarray]:
+        """Steps 1-3 on each image: ``[H, W, 3]`` uint8 at its :meth:`resized_size`."""
+        sizes = [self.resized_size(image.height, image.width) for image in images]
+        return [self._to_uint8(image, size) for image, size in zip(images, sizes)]
+
+    def resized_shapes(self, n: int, grid_thw: Any = None) -> list[tuple[int, int]]:
+        """``(H, W)`` of each resized image, from its patch grid."""
+        grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+        if len(grid) != n:
+            raise InvalidRequestError(f"{len(grid)} image grid(s) for {n} image(s)")
+        return [(int(h) * self.patch_size, int(w) * self.patch_size) for _, h, w in grid]
+
+    def from_uint8(self, arrays: list[np.ndarray]) -> torch.Tensor:
+        """Steps 4-5 on resized images (:meth:`resize`): float32 patches ``[sum t*h*w, patch_dim]``."""
+        table = pixel_table(self.do_rescale, self.rescale_factor, self.do_normalize, self.image_mean, self.image_std)
+        patches = [self._patchify(lookup_pixels(table, a)) for a in arrays]
+        return torch.from_numpy(np.concatenate(patches) if patches else np.zeros((0, self.patch_dim), np.float32))
 
     def _grid(self, resized: tuple[int, int]) -> tuple[int, int, int]:
         return 1, resized[0] // self.patch_size, resized[1] // self.patch_size
 
-    def _to_float(self, image: PIL.Image.Image, size: tuple[int, int]) -> np.ndarray:
-        """Steps 1-4 on one image: ``[H, W, 3]`` float32 at ``size`` (height, width)."""
+    def _to_uint8(self, image: PIL.Image.Image, size: tuple[int, int]) -> np.ndarray:
+        """Steps 1-3 on one image: ``[H, W, 3]`` uint8 at ``size`` (height, width)."""
         if self.do_convert_rgb:
             image = _convert_rgb(image)
         elif image.mode != "RGB":
             raise InvalidRequestError(f"image mode {image.mode!r} is not RGB and do_convert_rgb is off")
         if self.do_resize:
             image = image.resize((size[1], size[0]), resample=self.resample)
-        pixels = np.asarray(image)
-        # float64 multiply, then float32: the reference's rounding
-        x = (pixels * np.float64(self.rescale_factor) if self.do_rescale else pixels).astype(np.float32)
-        if self.do_normalize:
-            x = (x - np.asarray(self.image_mean, np.float32)) / np.asarray(self.image_std, np.float32)
-        return x
+        return np.asarray(image)
 
     def _patchify(self, x: np.ndarray) -> np.ndarray:
         """Step 5: ``[H, W, C]`` to ``[gh * gw, C * T * P * P]`` rows in the reference's order."""

@@ -64,8 +64,17 @@ def test_the_wire_carries_pixels_to_prefill_and_no_image_data_to_decode(family, 
     to_prefill, to_decode = (messages.pack(request_id="r", prompt=wire[k]) for k in ("prefill", "decode"))
     assert PNG not in to_prefill and PNG not in to_decode
     decode_mm = msgpack.unpackb(to_decode)["prompt"]["mm"]
-    assert decode_mm["pixels"] is None and decode_mm["mrope"] is None and len(to_decode) < 1024
-    got = prompt_wire.prompt_from_wire(messages.unpack(to_prefill)["prompt"])
+    assert decode_mm["pixels"] is None and decode_mm["images"] is None and decode_mm["mrope"] is None
+    assert len(to_decode) < 1024
+    # the prefill worker's: the images resized to uint8 (one byte per pixel and channel), no float pixels
+    prefill_mm = msgpack.unpackb(to_prefill)["prompt"]["mm"]
+    assert prefill_mm["pixels"] is None
+    resized = [a["shape"] for a in prefill_mm["images"]]
+    assert all(a["dtype"] == "uint8" and len(a["data"]) == a["shape"][0] * a["shape"][1] * 3
+               for a in prefill_mm["images"]) and all(shape[2] == 3 for shape in resized)
+    with pytest.raises(prompt_wire.PromptWireError, match="image processor"):  # a worker that cannot make pixels
+        prompt_wire.prompt_from_wire(messages.unpack(to_prefill)["prompt"])
+    got = prompt_wire.prompt_from_wire(messages.unpack(to_prefill)["prompt"], front.inputs.image_processor)
     assert torch.equal(got.mm.pixels(), want) and got.token_ids == p.token_ids
     assert got.mm.image_hashes == p.mm.image_hashes and (got.mm.mrope is None) == (family == "llava")
     assert wire["prefill"]["v"] == wire["decode"]["v"] == prompt_wire.PROMPT_VERSION
@@ -75,9 +84,43 @@ def test_other_prompt_versions_and_shapes_are_typed_errors():
     legacy = {"prompt_token_ids": [1, 2], "images": [b"\x89PNG..."]}  # version 1
     bad_array = {"v": 2, "token_ids": [1], "mm": {"hashes": [b"h"], "positions": {"dtype": "int64", "shape": [2],
                                                                                   "data": b"\0" * 8}}}
-    for bad in (legacy, {"v": 3, "token_ids": [1]}, {"v": 2}, bad_array, [1, 2]):
+    for bad in (legacy, {"v": 4, "token_ids": [1]}, {"v": 2}, bad_array, [1, 2]):
         with pytest.raises(prompt_wire.PromptWireError):
             prompt_wire.prompt_from_wire(bad)
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen"])
+def test_resized_images_of_the_wrong_size_or_type_are_typed_errors(family, tiny_model_dir, qwen_dir):
+    model_dir = tiny_model_dir if family == "llava" else qwen_dir
+    front = _FrontEnd(LLM(model_dir, **LLM_DEFAULTS))
+    prompt = (llava_prompts() if family == "llava" else qwen_prompts(qwen_dir))[0]
+    _, wire = DisaggCluster._prepare(front, prompt)
+    good = messages.unpack(messages.pack(prompt=wire["prefill"]))["prompt"]
+    arr = good["mm"]["images"][0]
+    h, w, _ = arr["shape"]
+    cropped = {"dtype": "uint8", "shape": [h - 1, w, 3], "data": arr["data"][: (h - 1) * w * 3]}
+    as_float = {"dtype": "float32", "shape": [h, w, 3], "data": b"\0" * (h * w * 12)}
+    short = {**arr, "data": arr["data"][:-1]}
+    for image in (cropped, as_float, short, "pixels"):
+        bad = {**good, "mm": {**good["mm"], "images": [image]}}
+        with pytest.raises(prompt_wire.PromptWireError):
+            prompt_wire.prompt_from_wire(bad, front.inputs.image_processor)
+    extra = {**good, "mm": {**good["mm"], "images": [arr, arr]}}  # one more image than the prompt has
+    with pytest.raises(prompt_wire.PromptWireError):
+        prompt_wire.prompt_from_wire(extra, front.inputs.image_processor)
+    assert prompt_wire.prompt_from_wire(good, front.inputs.image_processor).mm.pixels().numel() > 0
+
+
+def test_a_version_2_prompt_with_float_pixels_is_still_read(qwen_dir):
+    front = _FrontEnd(LLM(qwen_dir, **LLM_DEFAULTS))
+    prompt = qwen_prompts(qwen_dir)[0]
+    p, wire = DisaggCluster._prepare(front, prompt)
+    want = p.mm.pixels()
+    v2 = messages.unpack(messages.pack(prompt=wire["prefill"]))["prompt"]
+    mm = {k: v for k, v in v2["mm"].items() if k != "images"}
+    mm["pixels"] = {"dtype": "float32", "shape": list(want.shape), "data": want.numpy().tobytes()}
+    got = prompt_wire.prompt_from_wire({**v2, "v": 2, "mm": mm})
+    assert torch.equal(got.mm.pixels(), want)
 
 
 # ------------------------------------------------------------------------------------------- the workers' intake
@@ -189,6 +232,7 @@ def test_ray_cluster_sends_each_worker_its_form_and_matches_local(ray_cluster, q
     by_ids = {tuple(messages.unpack(m)["prompt"]["token_ids"]): m for m in prefill}
     for prompt in prompts:
         ids = tuple(c.inputs.process(prompt).token_ids)
-        got = prompt_wire.prompt_from_wire(messages.unpack(by_ids[ids])["prompt"])
+        got = prompt_wire.prompt_from_wire(messages.unpack(by_ids[ids])["prompt"], proc)
         assert torch.equal(got.mm.pixels(), proc(prompt["multi_modal_data"]["image"])[0])
-    assert all(PNG not in m and msgpack.unpackb(m)["prompt"]["mm"]["pixels"] is None for m in decode)
+    assert all(PNG not in m and msgpack.unpackb(m)["prompt"]["mm"]["pixels"] is None
+               and msgpack.unpackb(m)["prompt"]["mm"]["images"] is None for m in decode)
