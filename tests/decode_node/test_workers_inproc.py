@@ -174,7 +174,7 @@ def test_decode_worker_never_processes_or_encodes_images_it_received(tiny_model_
     params = [greedy(6), greedy(5)]
     pw, dw, pm = _pair(tiny_model_dir)
     encoded = {w: _count_calls(monkeypatch, w.engine.runner.model, "encode_images") for w in (pw, dw)}
-    processed = {w: _count_calls(monkeypatch, w.engine.inputs, "image_processor") for w in (pw, dw)}
+    processed = {w: _count_calls(monkeypatch, w.engine.inputs.image_processor, "resize") for w in (pw, dw)}
     got, failed = _run(pw, dw, pm, prompts, params)
     assert not failed and got == _local(tiny_model_dir, prompts, params)
     assert encoded[pw] == [1] and processed[pw] == [1]  # both images in one batch, once
