@@ -3,6 +3,9 @@ every row count and dtype, experts packed without a second copy of their weights
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,3 +166,34 @@ def test_packed_calls_run_at_a_bounded_set_of_row_counts():
     assert len(shapes) == 16 + 16 + 28
     assert all(r <= cpu_linear.padded_rows(r) < r + 128 for r in range(1, 4097))
     assert [cpu_linear.padded_rows(r) for r in (1, 16, 17, 33, 512, 513)] == [1, 16, 32, 64, 512, 640]
+
+
+def test_processes_take_turns_to_tune_and_a_turn_never_waits_past_its_deadline(tmp_path):
+    """``tuning_turn``: one process measures at a time (an exclusive lock on one file per host); a second waits for
+    the first to finish, and one that waits past its deadline measures anyway rather than hang."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from engine.cpu_linear import tuning_turn
+
+    lock = str(tmp_path / "tuning.lock")
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from engine.cpu_linear import tuning_turn
+        with tuning_turn({lock!r}) as held:
+            print("held" if held else "not held", flush=True)
+            time.sleep(1.0)
+    """)], stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).resolve().parents[2]))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        with tuning_turn(lock, wait_s=0.2) as held:  # the holder keeps it for ~1 s: this one gives up waiting
+            assert not held and time.monotonic() - t0 < 0.9
+        with tuning_turn(lock, wait_s=30.0) as held:  # ... and this one waits for the holder to finish
+            assert held
+        assert holder.wait(timeout=30) == 0
+    finally:
+        holder.kill()
+    with tuning_turn(str(tmp_path / "missing-dir" / "tuning.lock")) as held:  # cannot be opened: measure anyway
+        assert not held
