@@ -44,6 +44,8 @@ def check_pixel_steps(resample: int, rescale_factor: float, image_mean, image_st
         raise CheckpointError(f"rescale_factor must be positive, got {rescale_factor}")
     if len(image_mean) != 3 or len(image_std) != 3 or 0 in image_std:
         raise CheckpointError(f"image_mean/std need 3 values, std non-zero: {image_mean}, {image_std}")
+
+
 def pixel_table(do_rescale: bool, rescale_factor: float, do_normalize: bool, image_mean, image_std) -> np.ndarray:
     """``[3, 256]`` float32: what steps 4-5 (rescale, normalise) make of each uint8 value in each channel, computed
     with the reference's operations (float64 multiply, then float32; float32 subtract and divide), so looking a
