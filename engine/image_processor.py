@@ -62,18 +62,15 @@ def lookup_pixels(table: np.ndarray, pixels: np.ndarray) -> np.ndarray:
     return table[np.arange(3), pixels]
 
 
-def check_resized(arrays: list, shapes: list[tuple[int, int]]) -> list[np.ndarray]:
-    """``arrays`` as uint8 ``[H, W, 3]`` of the given ``(H, W)`` each (images resized elsewhere, e.g. by a front-end);
-    InvalidRequestError when any is not."""
+def check_resized(arrays: list, shapes: list[tuple[int, int]]) -> None:
+    """InvalidRequestError unless ``arrays`` are uint8 ``[H, W, 3]`` of the given ``(H, W)`` each (images resized
+    elsewhere, e.g. by a front-end)."""
     if len(arrays) != len(shapes):
         raise InvalidRequestError(f"{len(arrays)} resized image(s) for {len(shapes)} image(s)")
-    out = []
     for i, (a, (h, w)) in enumerate(zip(arrays, shapes)):
         if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.shape != (h, w, 3):
             got = (a.dtype, a.shape) if isinstance(a, np.ndarray) else type(a).__name__
             raise InvalidRequestError(f"resized image {i} must be uint8 [{h}, {w}, 3], got {got}")
-        out.append(a)
-    return out
 
 
 class DeferredPixels:

@@ -281,8 +281,9 @@ class ClusterSpec:
         extra = dict(self.extra_engine)
         if role == "prefill":  # a prefill worker never decodes: no staging to reserve
             extra.pop("decode_mirror_tokens", None)
-            if self.vision_slice(local_prefill) is not None:
-                extra.setdefault("vision_slice_s", self.vision_slice(local_prefill))
+            slice_s = self.vision_slice(local_prefill)
+            if slice_s is not None:
+                extra.setdefault("vision_slice_s", slice_s)
         return dict(dtype=self.dtype, device="cuda" if self.gpus_per_worker > 0 else "cpu",
                     block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=budget, max_model_len=self.max_model_len, **extra)

@@ -105,6 +105,9 @@ class QwenVLImageProcessor:
         if self.min_pixels > self.max_pixels:
             raise CheckpointError(f"min_pixels {self.min_pixels} is above max_pixels {self.max_pixels}")
         check_pixel_steps(self.resample, self.rescale_factor, self.image_mean, self.image_std)
+        # not a field: the per-channel lookup of steps 4-5 (from_uint8), made once
+        object.__setattr__(self, "_table", pixel_table(self.do_rescale, self.rescale_factor, self.do_normalize,
+                                                       self.image_mean, self.image_std))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> QwenVLImageProcessor:
@@ -208,8 +211,7 @@ class QwenVLImageProcessor:
 
     def from_uint8(self, arrays: list[np.ndarray]) -> torch.Tensor:
         """Steps 4-5 on resized images (:meth:`resize`): float32 patches ``[sum t*h*w, patch_dim]``."""
-        table = pixel_table(self.do_rescale, self.rescale_factor, self.do_normalize, self.image_mean, self.image_std)
-        patches = [self._patchify(lookup_pixels(table, a)) for a in arrays]
+        patches = [self._patchify(lookup_pixels(self._table, a)) for a in arrays]
         return torch.from_numpy(np.concatenate(patches) if patches else np.zeros((0, self.patch_dim), np.float32))
 
     def _grid(self, resized: tuple[int, int]) -> tuple[int, int, int]:
