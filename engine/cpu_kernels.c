@@ -22,6 +22,10 @@ static inline vec load(const float *p) { vec v; memcpy(&v, p, sizeof v); return 
 
 typedef int ivec __attribute__((vector_size(VW * sizeof(int))));
 
+/* Every lane s. Spelled out so the compiler broadcasts from memory (a load); `(vec){0} + s` is an add (0 + -0 is not
+   -0) and a broadcast from a register, which takes the shuffle port the multiplies use. */
+static inline vec splat(float s) { return (vec){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+
 /* The sum of a vector's lanes as a tree of four shuffle-adds (a chain of 16 scalar adds would cost more than the
    block's loads at few rows). */
 static inline float hsum(vec v) {
@@ -30,6 +34,25 @@ static inline float hsum(vec v) {
     v += __builtin_shuffle(v, (ivec){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
     v += __builtin_shuffle(v, (ivec){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
     return v[0];
+}
+
+/* dst[j * ldd + i] = src[i * lds + j] for i, j < VW: four rounds of pairing row i with row i + VW / 2 (lanes
+   interleaved, low halves then high halves), each a rotation of the element's (row, column) index bits by one, so
+   four rounds transpose. Rows at or beyond ``rows`` read as zeros, and only the first ``cols`` rows of dst are
+   written. */
+static void transpose_block(const float *src, int64_t lds, int64_t rows, float *dst, int64_t ldd, int64_t cols) {
+    const ivec lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const ivec hi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    vec a[VW], b[VW];
+    for (int i = 0; i < VW; i++) a[i] = i < rows ? load(src + i * lds) : (vec){0};
+    for (int round = 0; round < 4; round++) {
+        _Pragma("GCC unroll 8") for (int i = 0; i < VW / 2; i++) {
+            b[2 * i] = __builtin_shuffle(a[i], a[i + VW / 2], lo);
+            b[2 * i + 1] = __builtin_shuffle(a[i], a[i + VW / 2], hi);
+        }
+        memcpy(a, b, sizeof a);
+    }
+    for (int j = 0; j < cols; j++) memcpy(dst + j * ldd, &a[j], sizeof(vec));
 }
 
 static inline void prefetch(const float *p, int64_t n) {
@@ -119,25 +142,119 @@ void duet_linear_f32(const float *x, int64_t rows, int64_t K, const float *w, in
     gemv(x, rows, K, w, N, bias, y, N, NULL);
 }
 
+/* exp(x) for each lane, float32, within 2 ulp of expf over [-87, 88] (inputs beyond are clamped; NaN stays NaN):
+   x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-7 Taylor polynomial, times 2^n built in the exponent bits.
+   A scalar expf per element cost a sixth of an expert's time at 32 rows. */
+static inline vec vexp(vec x) {
+    const vec hi = (vec){0} + 88.0f, lo = (vec){0} - 87.0f;
+    ivec m = x > hi; /* lanes of -1 where true */
+    x = (vec)(((ivec)x & ~m) | ((ivec)hi & m));
+    m = x < lo;
+    x = (vec)(((ivec)x & ~m) | ((ivec)lo & m));
+    const vec magic = (vec){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer in the low bits */
+    const vec t = x * 1.44269504f + magic;
+    const vec n = t - magic;
+    const ivec e = ((ivec)t - (ivec)magic + 127) << 23;
+    const vec r = x - n * 0.693145752f - n * 1.42860677e-6f; /* ln2 in two parts: r exact to float rounding */
+    vec p = (vec){0} + 1.f / 5040.f;
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    return p * (vec)e;
+}
+
+/* yT [N, ldx] = w [N, K] @ xT [K, ldx] for one tile: MR weight rows at w (rows K floats apart) by MV vectors of xT's
+   columns (VW columns each). Each weight element is broadcast once and multiplied into MV vectors of columns, the
+   MR * MV sums stay in registers (24 of 32 on AVX-512), so at many rows an expert's GEMM runs at the core's multiply
+   rate instead of gemv's (which reads each weight once for up to four rows and sums across lanes at the end). */
+#define TILE(MR, MV)                                                                                                \
+    static void tile_##MR##x##MV(const float *w, int64_t K, const float *xT, int64_t ldx, float *yT) {            \
+        vec acc[MR][MV];                                                                                            \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++)                                                       \
+            _Pragma("GCC unroll 3") for (int j = 0; j < MV; j++) acc[i][j] = (vec){0};                              \
+        for (int64_t k = 0; k < K; k++) {                                                                           \
+            const float *xk = xT + k * ldx;                                                                         \
+            vec xv[MV];                                                                                             \
+            _Pragma("GCC unroll 3") for (int j = 0; j < MV; j++) xv[j] = load(xk + j * VW);                         \
+            _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                 \
+                const vec b = splat(w[i * K + k]);                                                              \
+                _Pragma("GCC unroll 3") for (int j = 0; j < MV; j++) acc[i][j] += b * xv[j];                        \
+            }                                                                                                       \
+        }                                                                                                           \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++)                                                       \
+            _Pragma("GCC unroll 3") for (int j = 0; j < MV; j++) memcpy(yT + i * ldx + j * VW, &acc[i][j], sizeof(vec)); \
+    }
+#ifdef __AVX512F__ /* 32 vector registers: tiles of 24 sums */
+TILE(8, 3)
+TILE(12, 2)
+TILE(4, 2)
+TILE(16, 1)
+#define ROWS_ONE 16
+#define TILE_ONE tile_16x1
+#else /* 16 registers of half a vec each: tiles of 4 x 1 (8 registers of sums) */
+TILE(4, 1)
+#define ROWS_ONE 4
+#define TILE_ONE tile_4x1
+#endif
+TILE(1, 1)
+
+/* One band of MV column vectors starting at column vector v: tiles of R weight rows, then of RR, then single rows. */
+#define BAND(TILE_FN, R, REST_FN, RR, MV)                                                                           \
+    do {                                                                                                            \
+        int64_t n = 0;                                                                                              \
+        for (; n + (R) <= N; n += (R)) TILE_FN(w + n * K, K, xT + v * VW, ldx, yT + n * ldx + v * VW);               \
+        for (; n + (RR) <= N; n += (RR)) REST_FN(w + n * K, K, xT + v * VW, ldx, yT + n * ldx + v * VW);             \
+        for (; n < N; n++)                                                                                          \
+            for (int64_t j = 0; j < (MV); j++) tile_1x1(w + n * K, K, xT + (v + j) * VW, ldx, yT + n * ldx + (v + j) * VW); \
+        v += (MV);                                                                                                  \
+    } while (0)
+
+/* yT [N, ldx] = w [N, K] @ xT [K, ldx], ldx a multiple of VW: bands of the widest tile the remaining columns take. */
+static void gemm_t(const float *w, int64_t N, int64_t K, const float *xT, int64_t ldx, float *yT) {
+    const int64_t nv = ldx / VW;
+    int64_t v = 0;
+#ifdef __AVX512F__
+    while (v + 3 <= nv) BAND(tile_8x3, 8, tile_8x3, 8, 3);
+    if (v + 2 <= nv) BAND(tile_12x2, 12, tile_4x2, 4, 2);
+#endif
+    while (v < nv) BAND(TILE_ONE, ROWS_ONE, TILE_ONE, ROWS_ONE, 1);
+}
+
+/* Scratch floats duet_moe_silu_f32 takes for T tokens of k experts each out of E: every expert with tokens gets
+   (2H + 3I) floats per row, its rows rounded up to whole vectors (its tiled path's columns). */
+int64_t duet_moe_silu_scratch(int64_t T, int64_t H, int64_t I, int64_t E, int64_t k) {
+    const int64_t P = T * k;
+    return (P + (VW - 1) * (E < P ? E : P)) * (2 * H + 3 * I);
+}
+
 /* A SwiGLU MoE layer's routed experts for T tokens, each with k (expert id, weight) pairs:
    y[t] = sum over its experts e in ascending id order of weight * down[e] @ (silu(g) * u), [g; u] = gate_up[e] @ x[t].
    gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I], as checkpoints store them; ids [T, k] int64 in
    [0, E) (the caller checks), weights [T, k] float32. The pairs are grouped by expert (a counting sort, stable in
-   token order) and each expert with tokens runs once over all its rows, so its weights are read once per step; the
-   next expert's first block is prefetched while one finishes. With OpenMP the experts are shared among the caller's
-   threads (each writes only its experts' rows of the scratch), then each token sums its rows in expert order, so the
-   result does not depend on the thread count. fscratch: T k (2 H + 3 I) floats; iscratch: 2 E + 2 T k. */
+   token order) and each expert with tokens runs once over all of them, so its weights are read once per step. An
+   expert with fewer than tile_min rows multiplies them by gemv (the next expert's first block prefetched while one
+   finishes); one with more takes the tiled path: its rows are gathered transposed (xT [H, m'], m' = m rounded up to
+   whole vectors, zero beyond m), gT = gate_up @ xT, hT = silu(gT's gate rows) * its up rows, oT = down @ hT, each by
+   gemm_t. With OpenMP the experts are shared among the caller's threads (each writes only its experts' scratch),
+   then each token sums its rows in expert order, so the result does not depend on the thread count.
+   fscratch: duet_moe_silu_scratch(T, H, I, E, k) floats; iscratch: 4 E + 2 T k. */
 void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, const float *gate_up,
-                       const float *down, const int64_t *ids, const float *weights, int64_t k, float *fscratch,
-                       int64_t *iscratch, float *y) {
-    const int64_t P = T * k;
-    float *xs = fscratch, *gu = xs + P * H, *h = gu + P * 2 * I, *out = h + P * I;
-    int64_t *start = iscratch, *active = iscratch + E, *pairs = active + E, *pos = pairs + P;
+                       const float *down, const int64_t *ids, const float *weights, int64_t k, int64_t tile_min,
+                       float *fscratch, int64_t *iscratch, float *y) {
+    const int64_t P = T * k, per_row = 2 * H + 3 * I;
+    int64_t *start = iscratch, *active = iscratch + E, *region = active + E, *ld = region + E, *pairs = ld + E,
+            *pos = pairs + P;
     for (int64_t e = 0; e < E; e++) start[e] = 0;
     for (int64_t p = 0; p < P; p++) start[ids[p]]++;
     int64_t na = 0;
     for (int64_t e = 0, acc = 0; e < E; e++) {
         const int64_t c = start[e];
+        ld[e] = c >= tile_min ? (c + VW - 1) / VW * VW : 0; /* the tiled path's row stride; 0: gemv's layout */
+        region[e] = (acc + (VW - 1) * na) * per_row;
         if (c) active[na++] = e;
         start[e] = acc;
         acc += c;
@@ -151,18 +268,51 @@ void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t 
         const int64_t e = active[a], end = start[e], begin = e ? start[e - 1] : 0, m = end - begin;
         const int64_t *pe = pairs + begin;
         const float *wgu = gate_up + e * 2 * I * H, *wd = down + e * H * I;
-        const float *after = a + 1 < na ? gate_up + active[a + 1] * 2 * I * H : NULL;
-        float *xe = xs + begin * H, *ge = gu + begin * 2 * I, *he = h + begin * I, *oe = out + begin * H;
-        for (int64_t r = 0; r < m; r++) memcpy(xe + r * H, x + (pe[r] / k) * H, H * sizeof(float));
-        gemv(xe, m, H, wgu, 2 * I, NULL, ge, 2 * I, wd);
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t c = 0; c < I; c++) {
-                const float g = ge[r * 2 * I + c];
-                he[r * I + c] = g / (1.f + expf(-g)) * ge[r * 2 * I + I + c];
+        float *base = fscratch + region[e];
+        if (ld[e]) {
+            const int64_t lx = ld[e];
+            float *xT = base, *gT = xT + H * lx, *hT = gT + 2 * I * lx, *oT = hT + I * lx;
+            const float *rows[VW];
+            for (int64_t r0 = 0; r0 < lx; r0 += VW) { /* gathered and transposed VW tokens at a time */
+                const int64_t n = m - r0 < VW ? m - r0 : VW;
+                for (int64_t r = 0; r < n; r++) rows[r] = x + (pe[r0 + r] / k) * H;
+                for (int64_t c0 = 0; c0 + VW <= H; c0 += VW) {
+                    vec blk[VW];
+                    for (int64_t r = 0; r < VW; r++) blk[r] = r < n ? load(rows[r] + c0) : (vec){0};
+                    transpose_block((const float *)blk, VW, VW, xT + c0 * lx + r0, lx, VW);
+                }
+                for (int64_t c = H / VW * VW; c < H; c++)
+                    for (int64_t r = 0; r < VW; r++) xT[c * lx + r0 + r] = r < n ? rows[r][c] : 0.f;
             }
-        gemv(he, m, I, wd, H, NULL, oe, H, after);
+            gemm_t(wgu, 2 * I, H, xT, lx, gT);
+            for (int64_t c = 0; c < I; c++)
+                for (int64_t r = 0; r < lx; r += VW) {
+                    const vec g = load(gT + c * lx + r), u = load(gT + (I + c) * lx + r);
+                    const vec s = g / (1.f + vexp(-g)) * u;
+                    memcpy(hT + c * lx + r, &s, sizeof s);
+                }
+            gemm_t(wd, H, I, hT, lx, oT);
+            float *o = xT; /* the rows' outputs [m, H], in xT's place (H lx >= m H floats) */
+            for (int64_t r0 = 0; r0 < m; r0 += VW) {
+                const int64_t n = m - r0 < VW ? m - r0 : VW;
+                for (int64_t c0 = 0; c0 + VW <= H; c0 += VW) transpose_block(oT + c0 * lx + r0, lx, VW, o + r0 * H + c0, H, n);
+                for (int64_t c = H / VW * VW; c < H; c++)
+                    for (int64_t r = 0; r < n; r++) o[(r0 + r) * H + c] = oT[c * lx + r0 + r];
+            }
+        } else {
+            float *xe = base, *ge = xe + m * H, *he = ge + m * 2 * I, *oe = he + m * I;
+            const float *after = a + 1 < na ? gate_up + active[a + 1] * 2 * I * H : NULL;
+            for (int64_t r = 0; r < m; r++) memcpy(xe + r * H, x + (pe[r] / k) * H, H * sizeof(float));
+            gemv(xe, m, H, wgu, 2 * I, NULL, ge, 2 * I, wd);
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t c = 0; c < I; c++) {
+                    const float g = ge[r * 2 * I + c];
+                    he[r * I + c] = g / (1.f + expf(-g)) * ge[r * 2 * I + I + c];
+                }
+            gemv(he, m, I, wd, H, NULL, oe, H, after);
+        }
     }
-    /* a token's rows lie in ascending expert order in the sorted scratch: sum them in that order */
+    /* a token's rows lie in ascending expert order in the sorted pairs: sum them in that order */
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T > 1)
 #endif
@@ -177,7 +327,10 @@ void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t 
         float *yt = y + t * H;
         for (int64_t c = 0; c < H; c++) yt[c] = 0.f;
         for (int64_t j = 0; j < kk; j++) {
-            const float *o = out + pos[t * k + order[j]] * H, w = weights[t * k + order[j]];
+            const int64_t p = t * k + order[j], e = ids[p], r = pos[p] - (e ? start[e - 1] : 0);
+            const float w = weights[p];
+            const int64_t m = start[e] - (e ? start[e - 1] : 0);
+            const float *o = fscratch + region[e] + (ld[e] ? 0 : m * (H + 3 * I)) + r * H; /* see the expert loop */
             for (int64_t c = 0; c < H; c++) yt[c] += o[c] * w;
         }
     }
@@ -353,12 +506,13 @@ void duet_moe_route_f32(const float *x, int64_t T, int64_t H, const float *gate,
      y = x2 + mlp(rmsnorm(x2) ln2), where mlp is E routed experts (top-k of softmax(h2 gate^T), renormalized when
      norm_topk; counts += picks) or, E = 0, one SwiGLU MLP (gate_up [2I, H], down [H, I]).
    Each stage is the standalone kernel above, so results equal the layer run stage by stage through them.
-   fs: float scratch of duet_decode_layer_scratch(...) floats; is: int64 scratch of 2 max(E, 1) + 3 B k' (k' = k,
+   fs: float scratch of duet_decode_layer_scratch(...) floats; is: int64 scratch of 4 max(E, 1) + 3 B k' (k' = k,
    or 1 when E = 0). */
 int64_t duet_decode_layer_scratch(int64_t B, int64_t H, int64_t NH, int64_t KVH, int64_t D, int64_t lds, int64_t E,
                                   int64_t k, int64_t I) {
     const int64_t P = B * (E ? k : 1);
-    return B * H * 4 + B * (NH + 2 * KVH) * D + B * NH * D + B * NH * lds + B * E + P + P * (2 * H + 3 * I);
+    return B * H * 4 + B * (NH + 2 * KVH) * D + B * NH * D + B * NH * lds + B * E + P +
+           duet_moe_silu_scratch(B, H, I, E ? E : 1, E ? k : 1);
 }
 
 void duet_decode_layer_f32(const float *x, int64_t B, int64_t H, float eps, const float *ln1, const float *ln2,
@@ -382,12 +536,12 @@ void duet_decode_layer_f32(const float *x, int64_t B, int64_t H, float eps, cons
     if (E) {
         int64_t *ids = is, *iscratch = is + B * k;
         duet_moe_route_f32(h2, B, H, gate, E, k, norm_topk, logits, wts, ids, counts);
-        duet_moe_silu_f32(h2, B, H, I, E, gate_up, down, ids, wts, k, moe_fs, iscratch, m);
+        duet_moe_silu_f32(h2, B, H, I, E, gate_up, down, ids, wts, k, INT64_MAX, moe_fs, iscratch, m);
     } else {
         int64_t *ids = is;
         for (int64_t b = 0; b < B; b++) { ids[b] = 0; wts[b] = 1.f; }
         /* one expert of weight one: the same SwiGLU, with the weight multiply exact */
-        duet_moe_silu_f32(h2, B, H, I, 1, gate_up, down, ids, wts, 1, moe_fs, is + B, m);
+        duet_moe_silu_f32(h2, B, H, I, 1, gate_up, down, ids, wts, 1, INT64_MAX, moe_fs, is + B, m);
     }
     const int64_t n = B * H;
     for (int64_t i = 0; i < n; i++) y[i] = x2[i] + m[i];

@@ -39,6 +39,7 @@ OPENMP = ("-fopenmp",)  # tried first: libgomp's soname is the one torch loaded,
 BUILD_TIMEOUT_S = 120.0
 MAX_ROWS = 4  # rows a call is meant for: beyond this the library GEMMs reuse each weight line better
 MAX_TOP_K = 64  # top-k the MoE kernel is offered for (routers use 1-10)
+TILE_MIN = 16  # an expert's rows from which moe_silu's tiled GEMM is the default (the layer measures its own)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -116,7 +117,9 @@ def library() -> ctypes.CDLL | None:
             return None
         lib.duet_linear_f32.argtypes = [_p, _i, _i, _p, _i, _p, _p]
         lib.duet_linear_f32.restype = None
-        lib.duet_moe_silu_f32.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p, _p]
+        lib.duet_moe_silu_f32.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _i, _i, _p, _p, _p]
+        lib.duet_moe_silu_scratch.argtypes = [_i] * 5
+        lib.duet_moe_silu_scratch.restype = _i
         lib.duet_moe_silu_f32.restype = None
         lib.duet_rms_norm_f32.argtypes = [_p, _i, _i, _p, _i, ctypes.c_float, _p]
         lib.duet_rms_norm_f32.restype = None
@@ -160,28 +163,32 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 
 def moe_silu(lib: ctypes.CDLL, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
-             weights: torch.Tensor, *, checked: bool = False) -> torch.Tensor:
+             weights: torch.Tensor, *, checked: bool = False, tile_min: int = TILE_MIN) -> torch.Tensor:
     """Routed SwiGLU experts for x [T, H] (float32): ``gate_up`` [E, 2I, H], ``down`` [E, H, I] (both
     :func:`usable`), ``experts`` [T, k] ids < E, ``weights`` [T, k]. Each expert with tokens runs once over all of
     them; each token's experts are summed in ascending id order, as the grouped path sums them. ``checked``: the
-    ids come from :func:`moe_route` (in range by construction), so the range check is skipped."""
+    ids come from :func:`moe_route` (in range by construction), so the range check is skipped. ``tile_min``: an
+    expert with at least this many rows takes the tiled GEMM instead of gemv (``cpu_kernels.c``)."""
     t, h = x.shape
     e, two_i, _ = gate_up.shape
     i = two_i // 2
     k = experts.shape[1]
     if k > MAX_TOP_K:
         raise ValueError(f"moe_silu: top-{k} exceeds the kernel's {MAX_TOP_K}")
+    if weights.shape != experts.shape or experts.shape[0] != t:
+        raise ValueError(f"moe_silu: {t} tokens, expert ids {tuple(experts.shape)}, weights {tuple(weights.shape)}")
     ids = experts.to(torch.int64).contiguous()
     flat = [] if checked else ids.view(-1).tolist()
     if flat and (min(flat) < 0 or max(flat) >= e):  # the kernel indexes the weights by these: never out of range
         raise ValueError(f"moe_silu: expert ids outside [0, {e})")
     w = weights.to(torch.float32).contiguous()
     xc = x.contiguous()
-    fscratch = torch.empty(t * k * (2 * h + 3 * i), dtype=torch.float32)
-    iscratch = torch.empty(2 * e + 2 * t * k, dtype=torch.int64)
+    fscratch = torch.empty(lib.duet_moe_silu_scratch(t, h, i, e, k), dtype=torch.float32)
+    iscratch = torch.empty(4 * e + 2 * t * k, dtype=torch.int64)
     y = torch.empty(t, h, dtype=torch.float32)
     lib.duet_moe_silu_f32(xc.data_ptr(), t, h, i, e, gate_up.data_ptr(), down.data_ptr(), ids.data_ptr(),
-                          w.data_ptr(), k, fscratch.data_ptr(), iscratch.data_ptr(), y.data_ptr())
+                          w.data_ptr(), k, max(int(tile_min), 1), fscratch.data_ptr(), iscratch.data_ptr(),
+                          y.data_ptr())
     return y
 
 
@@ -283,7 +290,7 @@ def decode_layer(lib: ctypes.CDLL, x: torch.Tensor, *, eps: float, ln1: torch.Te
     lds = max(max_len, 1)
     fs = torch.empty(lib.duet_decode_layer_scratch(b, h, heads, kv_heads, head_dim, lds, e, kk, i),
                      dtype=torch.float32)
-    iscr = torch.empty(2 * max(e, 1) + 3 * b * kk, dtype=torch.int64)
+    iscr = torch.empty(4 * max(e, 1) + 3 * b * kk, dtype=torch.int64)
     y = torch.empty_like(x)
     lib.duet_decode_layer_f32(
         x.data_ptr(), b, h, eps, ln1.data_ptr(), ln2.data_ptr(), wqkv.data_ptr(),

@@ -105,7 +105,7 @@ class SparseMoe(nn.Module):
         """Per step size of ``ROW_PROBES`` tokens: is the packed path faster than the grouped GEMM by 5%? And the
         most tokens the compiled one-call path takes: the largest of :data:`FUSED_PROBES` at which it was faster than
         both others by 5% (a near tie at a smaller probe does not cut it short: one noisy probe at 32 tokens sent
-        256-token prefills to a path 1.7x slower)."""
+        256-token prefills to a path 1.7x slower); :data:`FUSED_ALL` where it won the largest."""
         e, two_i, h = self.gate_up_proj.shape
         fusable = self._fusable()
         key = (e, two_i, h, self.top_k, self.gate_up_proj.dtype, torch.get_num_threads(), fusable)
@@ -126,11 +126,13 @@ class SparseMoe(nn.Module):
                     one_call = median_seconds(lambda: cpu_kernels.moe_silu(lib, x, self.gate_up_proj, self.down_proj,
                                                                            experts, weights))
                     fused = t if one_call < 0.95 * min(grouped, one_by_one) else fused
+            fused = FUSED_ALL if fusable and fused == FUSED_PROBES[-1] else fused
             _PATHS[key] = (tuple(faster), fused)
             logger.info("MoE %d experts x (%d, %d), top-%d: packed experts at %s tokens, grouped GEMM at %s%s%s", e,
                         two_i, h, self.top_k, [t for t, f in zip(ROW_PROBES, faster) if f] or "no",
                         [t for t, f in zip(ROW_PROBES, faster) if not f] or "none",
-                        f"; the compiled one-call path up to {fused} tokens" if fused else "",
+                        "" if not fused else "; the compiled one-call path at every step" if fused == FUSED_ALL
+                        else f"; the compiled one-call path up to {fused} tokens",
                         " (both copies of the experts kept)" if any(faster) and not all(faster) else "")
         return _PATHS[key]
 
@@ -262,8 +264,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 ROUTE_KERNEL_ROWS = 16  # steps of up to this many tokens route through the compiled kernel (decode batches)
-FUSED_PROBES = (1, 4, 16, 32, 64, 256, 384, 512)  # step sizes the one-call path is timed at (a served ~260-token
-# prompt steps with the running decodes: 256 alone left it on the grouped GEMM, 3.5 against 3.1 ms a layer at 262)
+FUSED_PROBES = (1, 4, 16, 32, 64, 256, 384, 512, 1024, 2048)  # step sizes the one-call path is timed at (a served
+# ~260-token prompt steps with the running decodes: 256 alone left it on the grouped GEMM, 3.5 against 3.1 ms a layer at
+# 262); where it wins the largest, it takes every step (its experts' GEMMs are tiled there, as the grouped path's are)
+FUSED_ALL = 1 << 62  # SparseMoe._fused_upto: no limit
 # (E, 2I, H, k, dtype, threads, one-call path possible) -> SparseMoe._measure_paths' answer
 _PATHS: dict[tuple, tuple[tuple[bool, ...], int]] = {}
 

@@ -66,6 +66,44 @@ def test_moe_equals_the_reference(tokens, top_k, h, i):
 
 
 @needs_lib
+@pytest.mark.parametrize("tile_min", [1, 5, 16])
+@pytest.mark.parametrize("tokens,top_k,h,i,e", [(40, 3, 64, 32, 3), (70, 2, 40, 24, 2), (200, 4, 48, 20, 8),
+                                                (33, 1, 16, 13, 1), (50, 3, 100, 52, 5)])
+def test_moe_tiled_path_equals_the_reference(tokens, top_k, h, i, e, tile_min):
+    """Experts with at least ``tile_min`` rows take the tiled GEMM (rows gathered transposed, column counts that are
+    not whole vectors, weight rows beyond whole tiles, hidden sizes that are not whole vectors)."""
+    g = torch.Generator().manual_seed(tokens * 7 + h + tile_min)
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
+    x = torch.randn(tokens, h, generator=g)
+    experts = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    got = cpu_kernels.moe_silu(LIB, x, gate_up, down, experts, weights, tile_min=tile_min)
+    torch.testing.assert_close(got, _moe_reference(x, gate_up, down, experts, weights), rtol=1e-5, atol=1e-5)
+
+
+@needs_lib
+@pytest.mark.parametrize("tile_min", [1, 10 ** 9])
+def test_moe_silu_holds_over_the_whole_float_range(tile_min):
+    """The tiled path's vector exp: silu of gate values from -200 to 200 (clamped beyond the float range of exp)
+    equals torch's to float rounding, and NaN inputs stay NaN."""
+    h, i = 16, 64
+    gate_up = torch.zeros(1, 2 * i, h)
+    gate_up[0, :i, 0] = torch.linspace(-200.0, 200.0, i)  # gate rows read x[:, 0]
+    gate_up[0, i:, 1] = 1.0  # up rows read x[:, 1]
+    down = torch.eye(h, i).unsqueeze(0)
+    x = torch.zeros(20, h)
+    x[:, 0] = torch.linspace(-1.0, 1.0, 20)
+    x[:, 1] = 1.0
+    x[3, 0] = float("nan")
+    experts, weights = torch.zeros(20, 1, dtype=torch.long), torch.ones(20, 1)
+    got = cpu_kernels.moe_silu(LIB, x, gate_up, down, experts, weights, tile_min=tile_min)
+    want = _moe_reference(x, gate_up, down, experts, weights)
+    assert torch.isnan(got[3]).sum() == torch.isnan(want[3]).sum() > 0
+    keep = torch.arange(20) != 3
+    torch.testing.assert_close(got[keep], want[keep], rtol=2e-6, atol=1e-30)
+
+
+@needs_lib
 def test_moe_refuses_ids_outside_the_experts_and_too_large_a_top_k():
     gate_up, down, x = torch.randn(4, 8, 6), torch.randn(4, 6, 4), torch.randn(1, 6)
     for bad in (4, -1):
@@ -168,7 +206,7 @@ def test_moe_measures_the_one_call_path_on_its_own_shapes(monkeypatch):
     moe.pack_linears(cpu_linear.make_kernel("auto"))
     (key, (packed_for, upto)), = moe_mod._PATHS.items()
     assert key[-1] is True and len(packed_for) == len(cpu_linear.ROW_PROBES)
-    assert upto in (0, *moe_mod.FUSED_PROBES)
+    assert upto in (0, *moe_mod.FUSED_PROBES[:-1], moe_mod.FUSED_ALL)
     assert moe._fused_upto == upto and (moe._fused is not None) == (upto > 0)  # which one depends on the host
     torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-5)
 
@@ -189,11 +227,13 @@ def test_results_do_not_depend_on_the_thread_count():
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             got.append((cpu_kernels.linear(LIB, x, w, b),
-                        cpu_kernels.moe_silu(LIB, xm, gate_up, down, experts, weights)))
+                        cpu_kernels.moe_silu(LIB, xm, gate_up, down, experts, weights),
+                        cpu_kernels.moe_silu(LIB, xm, gate_up, down, experts, weights, tile_min=1)))
     finally:
         torch.set_num_threads(before)
-    for lin, moe in got[1:]:
-        assert torch.equal(lin, got[0][0]) and torch.equal(moe, got[0][1])
+    for lin, moe, tiled in got[1:]:
+        assert torch.equal(lin, got[0][0]) and torch.equal(moe, got[0][1]) and torch.equal(tiled, got[0][2])
+    torch.testing.assert_close(got[0][2], got[0][1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[0][1], _moe_reference(xm, gate_up, down, experts, weights), rtol=1e-5, atol=1e-5)
 
 
