@@ -262,6 +262,14 @@ void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t 
     for (int64_t p = 0; p < P; p++) { pos[p] = start[ids[p]]; pairs[start[ids[p]]++] = p; } /* start[e]: e's end */
 #ifdef _OPENMP
     const int threads = na > 1 ? omp_get_max_threads() : 1;
+    if (threads > 1 && na <= 256) /* the busiest experts first, so the last ones the threads take are short */
+        for (int64_t a = 1; a < na; a++) {
+            const int64_t e = active[a], c = start[e] - (e ? start[e - 1] : 0);
+            int64_t q = a;
+            for (; q > 0 && start[active[q - 1]] - (active[q - 1] ? start[active[q - 1] - 1] : 0) < c; q--)
+                active[q] = active[q - 1];
+            active[q] = e;
+        }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
 #endif
     for (int64_t a = 0; a < na; a++) {
