@@ -151,18 +151,24 @@ def tuning_turn(path: str = TUNING_LOCK, wait_s: float = TUNING_WAIT_S) -> Itera
         os.close(fd)  # releases the lock
 
 
-def median_seconds(fn: Callable[[], object]) -> float:
-    """Median seconds of one call (after a warm-up call), repetitions cut to the probe budget."""
-    t0 = time.perf_counter()
-    fn()
-    first = time.perf_counter() - t0
-    reps = max(3, min(25, int(_PROBE_BUDGET_S / max(first, 1e-6))))
-    times = []
-    for _ in range(reps):
+def median_seconds_each(fns: list[Callable[[], object]]) -> list[float]:
+    """Median seconds of one call of each function, their calls interleaved (after a warm-up call of each), so that
+    a burst of other work on the host slows them alike instead of deciding the comparison: measured one after the
+    other, a worker tuning while another process started lost the MoE one-call path at every prefill size (a
+    256-token step 45 ms against 37). Repetitions are cut to the probe budget of the slowest."""
+    first = []
+    for fn in fns:
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+        first.append(time.perf_counter() - t0)
+    reps = max(3, min(25, int(_PROBE_BUDGET_S / max(max(first), 1e-6))))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[float, float], ...]:
@@ -177,9 +183,10 @@ def timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[floa
         row = []
         for rows in ROW_PROBES:
             x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
-            native = median_seconds(lambda: F.linear(x, copies[next(turn) % len(copies)], bias))
-            row.append((native, median_seconds(lambda: torch.ops.mkldnn._linear_pointwise(
-                x, packed[next(turn) % len(packed)], bias, "none", [], ""))))
+            row.append(tuple(median_seconds_each([
+                lambda: F.linear(x, copies[next(turn) % len(copies)], bias),
+                lambda: torch.ops.mkldnn._linear_pointwise(x, packed[next(turn) % len(packed)], bias, "none", [],
+                                                           "")])))
         _timings[key] = tuple(row)
     return _timings[key]
 
@@ -201,10 +208,10 @@ def few_row_timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tu
         row = []
         for rows in FEW_ROW_PROBES:
             x = torch.randn(rows, weight.shape[1], generator=gen)
-            native = median_seconds(lambda: F.linear(x, copies[next(turn) % len(copies)], b))
-            onednn = median_seconds(lambda: torch.ops.mkldnn._linear_pointwise(
-                x, packed[next(turn) % len(packed)], b, "none", [], ""))
-            few = median_seconds(lambda: cpu_kernels.linear(lib, x, copies[next(turn) % len(copies)], b))
+            native, onednn, few = median_seconds_each([
+                lambda: F.linear(x, copies[next(turn) % len(copies)], b),
+                lambda: torch.ops.mkldnn._linear_pointwise(x, packed[next(turn) % len(packed)], b, "none", [], ""),
+                lambda: cpu_kernels.linear(lib, x, copies[next(turn) % len(copies)], b)])
             row.append((min(native, onednn), few))
         _few_row_timings[key] = tuple(row)
     return _few_row_timings[key]

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import engine.cpu_kernels as cpu_kernels
-from engine.cpu_linear import BUCKET_UPPER, ROW_PROBES, bucket, median_seconds
+from engine.cpu_linear import BUCKET_UPPER, ROW_PROBES, bucket, median_seconds_each
 from engine.layers import ACTIVATIONS, Linear
 from engine.text_config import TextConfig
 
@@ -117,15 +117,17 @@ class SparseMoe(nn.Module):
                 experts = torch.stack([torch.randperm(e, generator=gen)[:self.top_k] for _ in range(t)])
                 weights = torch.full((t, self.top_k), 1.0 / self.top_k, dtype=x.dtype)
                 counts = torch.bincount(experts.view(-1), minlength=e)
-                grouped = median_seconds(lambda: self._experts(x, weights, experts, counts, packed=False))
-                one_by_one = median_seconds(lambda: self._experts(x, weights, experts, counts, packed=True))
-                if t in ROW_PROBES:
-                    faster.append(one_by_one < 0.95 * grouped)
+                fns = [lambda: self._experts(x, weights, experts, counts, packed=False),
+                       lambda: self._experts(x, weights, experts, counts, packed=True)]
                 if fusable and t in FUSED_PROBES:
                     lib = cpu_kernels.library()
-                    one_call = median_seconds(lambda: cpu_kernels.moe_silu(lib, x, self.gate_up_proj, self.down_proj,
-                                                                           experts, weights))
-                    fused = t if one_call < 0.95 * min(grouped, one_by_one) else fused
+                    fns.append(lambda: cpu_kernels.moe_silu(lib, x, self.gate_up_proj, self.down_proj, experts,
+                                                            weights))
+                grouped, one_by_one, *one_call = median_seconds_each(fns)
+                if t in ROW_PROBES:
+                    faster.append(one_by_one < 0.95 * grouped)
+                if one_call:
+                    fused = t if one_call[0] < 0.95 * min(grouped, one_by_one) else fused
             fused = FUSED_ALL if fusable and fused == FUSED_PROBES[-1] else fused
             _PATHS[key] = (tuple(faster), fused)
             logger.info("MoE %d experts x (%d, %d), top-%d: packed experts at %s tokens, grouped GEMM at %s%s%s", e,
