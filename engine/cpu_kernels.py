@@ -39,6 +39,7 @@ OPENMP = ("-fopenmp",)  # tried first: libgomp's soname is the one torch loaded,
 BUILD_TIMEOUT_S = 120.0
 MAX_ROWS = 4  # rows a call is meant for: beyond this the library GEMMs reuse each weight line better
 MAX_TOP_K = 64  # top-k the MoE kernel is offered for (routers use 1-10)
+ALL_STEPS = 1 << 62  # a token limit meaning none (the MoE one-call path where it won every probe)
 TILE_MIN = 16  # an expert's rows from which moe_silu's tiled GEMM is the default (the layer measures its own)
 
 _lock = threading.Lock()

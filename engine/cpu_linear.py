@@ -291,7 +291,8 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> dict[str, int]:
     packed = sum(getattr(k, "packed", None) is not None for k in kernels)
     few = sum(getattr(k, "few_rows", None) is not None for k in kernels)
     one_call = [m.one_call_upto for m in model.modules() if hasattr(m, "one_call_upto")]
+    shown = sorted({"all" if u >= cpu_kernels.ALL_STEPS else u for u in one_call}, key=str) or "-"
     logger.info("CPU linear layers: %d of %d use oneDNN packed weights for some row counts, %d the few-row kernel "
                 "for up to %d rows; MoE one-call path up to %s tokens (%s, %.2f s)", packed, len(kernels), few,
-                cpu_kernels.MAX_ROWS, sorted(set(one_call)) or "-", mode, time.perf_counter() - t0 - waited)
+                cpu_kernels.MAX_ROWS, shown, mode, time.perf_counter() - t0 - waited)
     return {"layers": len(kernels), "packed": packed, "few_rows": few, "moe_one_call_upto": one_call}

@@ -269,7 +269,7 @@ ROUTE_KERNEL_ROWS = 16  # steps of up to this many tokens route through the comp
 FUSED_PROBES = (1, 4, 16, 32, 64, 256, 384, 512, 1024, 2048)  # step sizes the one-call path is timed at (a served
 # ~260-token prompt steps with the running decodes: 256 alone left it on the grouped GEMM, 3.5 against 3.1 ms a layer at
 # 262); where it wins the largest, it takes every step (its experts' GEMMs are tiled there, as the grouped path's are)
-FUSED_ALL = 1 << 62  # SparseMoe._fused_upto: no limit
+FUSED_ALL = cpu_kernels.ALL_STEPS  # SparseMoe._fused_upto: no limit
 # (E, 2I, H, k, dtype, threads, one-call path possible) -> SparseMoe._measure_paths' answer
 _PATHS: dict[tuple, tuple[tuple[bool, ...], int]] = {}
 
