@@ -61,7 +61,7 @@ static inline void prefetch(const float *p, int64_t n) {
 
 /* Holds values in vector registers: without it the compiler reloads each weight vector from memory for every row
    (a memory operand per multiply), and at four rows the loads, not memory, set the pace. */
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#if defined(__GNUC__) && defined(__AVX512F__) /* a whole vec fits one register only with AVX-512 */
 #define KEEP(a, b, c, d) __asm__("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d))
 #else
 #define KEEP(a, b, c, d) ((void)0)

@@ -116,31 +116,36 @@ def library() -> ctypes.CDLL | None:
         if lib is None:
             logger.warning("the few-row CPU kernels did not build (%s): library kernels only", "; ".join(errors))
             return None
-        lib.duet_linear_f32.argtypes = [_p, _i, _i, _p, _i, _p, _p]
-        lib.duet_linear_f32.restype = None
-        lib.duet_moe_silu_f32.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _i, _i, _p, _p, _p]
-        lib.duet_moe_silu_scratch.argtypes = [_i] * 5
-        lib.duet_moe_silu_scratch.restype = _i
-        lib.duet_moe_silu_f32.restype = None
-        lib.duet_rms_norm_f32.argtypes = [_p, _i, _i, _p, _i, ctypes.c_float, _p]
-        lib.duet_rms_norm_f32.restype = None
-        lib.duet_add_rms_norm_f32.argtypes = [_p, _p, _i, _i, _p, ctypes.c_float, _p, _p]
-        lib.duet_add_rms_norm_f32.restype = None
-        lib.duet_norm_rope_f32.argtypes = [_p, _i, _i, _i, _p, ctypes.c_float, _p, _p]
-        lib.duet_norm_rope_f32.restype = None
-        lib.duet_decode_attention_f32.argtypes = [_p, _i, _p, _i, _p, _i, _p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i,
-                                                  _i, ctypes.c_float, _p, _i, _p]
-        lib.duet_decode_layer_scratch.argtypes = [_i] * 9
-        lib.duet_decode_layer_scratch.restype = _i
-        lib.duet_decode_layer_f32.argtypes = [_p, _i, _i, ctypes.c_float, _p, _p, _p, _p, _i, _i, _i, _p,
-                                              ctypes.c_float, _p, _p, _p, _p, _p, _p, _i, _i, _p, _p, _p, _p, _p,
-                                              _i, _i, ctypes.c_int, _p, _p, _p, _i, _p, _p, _p, _p]
-        lib.duet_decode_layer_f32.restype = None
-        lib.duet_decode_attention_f32.restype = None
-        lib.duet_moe_route_f32.argtypes = [_p, _i, _i, _p, _i, _i, ctypes.c_int, _p, _p, _p, _p]
-        lib.duet_moe_route_f32.restype = None
+        _declare(lib)
         _lib = lib
         return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The C functions' argument and result types (ctypes would otherwise pass every int as 32 bits)."""
+    lib.duet_linear_f32.argtypes = [_p, _i, _i, _p, _i, _p, _p]
+    lib.duet_linear_f32.restype = None
+    lib.duet_moe_silu_f32.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _i, _i, _p, _p, _p]
+    lib.duet_moe_silu_scratch.argtypes = [_i] * 5
+    lib.duet_moe_silu_scratch.restype = _i
+    lib.duet_moe_silu_f32.restype = None
+    lib.duet_rms_norm_f32.argtypes = [_p, _i, _i, _p, _i, ctypes.c_float, _p]
+    lib.duet_rms_norm_f32.restype = None
+    lib.duet_add_rms_norm_f32.argtypes = [_p, _p, _i, _i, _p, ctypes.c_float, _p, _p]
+    lib.duet_add_rms_norm_f32.restype = None
+    lib.duet_norm_rope_f32.argtypes = [_p, _i, _i, _i, _p, ctypes.c_float, _p, _p]
+    lib.duet_norm_rope_f32.restype = None
+    lib.duet_decode_attention_f32.argtypes = [_p, _i, _p, _i, _p, _i, _p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i,
+                                              _i, ctypes.c_float, _p, _i, _p]
+    lib.duet_decode_layer_scratch.argtypes = [_i] * 9
+    lib.duet_decode_layer_scratch.restype = _i
+    lib.duet_decode_layer_f32.argtypes = [_p, _i, _i, ctypes.c_float, _p, _p, _p, _p, _i, _i, _i, _p,
+                                          ctypes.c_float, _p, _p, _p, _p, _p, _p, _i, _i, _p, _p, _p, _p, _p,
+                                          _i, _i, ctypes.c_int, _p, _p, _p, _i, _p, _p, _p, _p]
+    lib.duet_decode_layer_f32.restype = None
+    lib.duet_decode_attention_f32.restype = None
+    lib.duet_moe_route_f32.argtypes = [_p, _i, _i, _p, _i, _i, ctypes.c_int, _p, _p, _p, _p]
+    lib.duet_moe_route_f32.restype = None
 
 
 def usable(t: torch.Tensor) -> bool:
