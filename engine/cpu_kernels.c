@@ -225,10 +225,11 @@ static void gemm_t(const float *w, int64_t N, int64_t K, const float *xT, int64_
 }
 
 /* Scratch floats duet_moe_silu_f32 takes for T tokens of k experts each out of E: every expert with tokens gets
-   (2H + 3I) floats per row, its rows rounded up to whole vectors (its tiled path's columns). */
-int64_t duet_moe_silu_scratch(int64_t T, int64_t H, int64_t I, int64_t E, int64_t k) {
-    const int64_t P = T * k;
-    return (P + (VW - 1) * (E < P ? E : P)) * (2 * H + 3 * I);
+   (2H + 3I) floats per row, the rows of one with at least tile_min (>= 1) of them rounded up to whole vectors (its
+   tiled path's columns; at most min(E, T k / tile_min) experts), so a decode step's experts take no padding. */
+int64_t duet_moe_silu_scratch(int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, int64_t tile_min) {
+    const int64_t P = T * k, tiled = P / (tile_min > 1 ? tile_min : 1);
+    return (P + (VW - 1) * (E < tiled ? E : tiled)) * (2 * H + 3 * I);
 }
 
 /* A SwiGLU MoE layer's routed experts for T tokens, each with k (expert id, weight) pairs:
@@ -241,7 +242,7 @@ int64_t duet_moe_silu_scratch(int64_t T, int64_t H, int64_t I, int64_t E, int64_
    whole vectors, zero beyond m), gT = gate_up @ xT, hT = silu(gT's gate rows) * its up rows, oT = down @ hT, each by
    gemm_t. With OpenMP the experts are shared among the caller's threads (each writes only its experts' scratch),
    then each token sums its rows in expert order, so the result does not depend on the thread count.
-   fscratch: duet_moe_silu_scratch(T, H, I, E, k) floats; iscratch: 4 E + 2 T k. */
+   fscratch: duet_moe_silu_scratch(T, H, I, E, k, tile_min) floats; iscratch: 4 E + 2 T k. */
 void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, const float *gate_up,
                        const float *down, const int64_t *ids, const float *weights, int64_t k, int64_t tile_min,
                        float *fscratch, int64_t *iscratch, float *y) {
@@ -250,11 +251,12 @@ void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t 
             *pos = pairs + P;
     for (int64_t e = 0; e < E; e++) start[e] = 0;
     for (int64_t p = 0; p < P; p++) start[ids[p]]++;
-    int64_t na = 0;
+    int64_t na = 0, nt = 0;
     for (int64_t e = 0, acc = 0; e < E; e++) {
         const int64_t c = start[e];
         ld[e] = c >= tile_min ? (c + VW - 1) / VW * VW : 0; /* the tiled path's row stride; 0: gemv's layout */
-        region[e] = (acc + (VW - 1) * na) * per_row;
+        region[e] = (acc + (VW - 1) * nt) * per_row;
+        nt += ld[e] > 0;
         if (c) active[na++] = e;
         start[e] = acc;
         acc += c;
@@ -520,7 +522,7 @@ int64_t duet_decode_layer_scratch(int64_t B, int64_t H, int64_t NH, int64_t KVH,
                                   int64_t k, int64_t I) {
     const int64_t P = B * (E ? k : 1);
     return B * H * 4 + B * (NH + 2 * KVH) * D + B * NH * D + B * NH * lds + B * E + P +
-           duet_moe_silu_scratch(B, H, I, E ? E : 1, E ? k : 1);
+           duet_moe_silu_scratch(B, H, I, E ? E : 1, E ? k : 1, INT64_MAX);
 }
 
 void duet_decode_layer_f32(const float *x, int64_t B, int64_t H, float eps, const float *ln1, const float *ln2,

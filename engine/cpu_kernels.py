@@ -40,7 +40,8 @@ BUILD_TIMEOUT_S = 120.0
 MAX_ROWS = 4  # rows a call is meant for: beyond this the library GEMMs reuse each weight line better
 MAX_TOP_K = 64  # top-k the MoE kernel is offered for (routers use 1-10)
 ALL_STEPS = 1 << 62  # a token limit meaning none (the MoE one-call path where it won every probe)
-TILE_MIN = 16  # an expert's rows from which moe_silu's tiled GEMM is the default (the layer measures its own)
+TILE_MIN = 16  # an expert's rows from which moe_silu takes its tiled GEMM (8-32 measured within noise of each
+# other here, Intel Xeon; fewer leave most of a 16-row tile's lanes empty)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -126,7 +127,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.duet_linear_f32.argtypes = [_p, _i, _i, _p, _i, _p, _p]
     lib.duet_linear_f32.restype = None
     lib.duet_moe_silu_f32.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _i, _i, _p, _p, _p]
-    lib.duet_moe_silu_scratch.argtypes = [_i] * 5
+    lib.duet_moe_silu_scratch.argtypes = [_i] * 6
     lib.duet_moe_silu_scratch.restype = _i
     lib.duet_moe_silu_f32.restype = None
     lib.duet_rms_norm_f32.argtypes = [_p, _i, _i, _p, _i, ctypes.c_float, _p]
@@ -189,12 +190,12 @@ def moe_silu(lib: ctypes.CDLL, x: torch.Tensor, gate_up: torch.Tensor, down: tor
         raise ValueError(f"moe_silu: expert ids outside [0, {e})")
     w = weights.to(torch.float32).contiguous()
     xc = x.contiguous()
-    fscratch = torch.empty(lib.duet_moe_silu_scratch(t, h, i, e, k), dtype=torch.float32)
+    tile_min = max(int(tile_min), 1)
+    fscratch = torch.empty(lib.duet_moe_silu_scratch(t, h, i, e, k, tile_min), dtype=torch.float32)
     iscratch = torch.empty(4 * e + 2 * t * k, dtype=torch.int64)
     y = torch.empty(t, h, dtype=torch.float32)
     lib.duet_moe_silu_f32(xc.data_ptr(), t, h, i, e, gate_up.data_ptr(), down.data_ptr(), ids.data_ptr(),
-                          w.data_ptr(), k, max(int(tile_min), 1), fscratch.data_ptr(), iscratch.data_ptr(),
-                          y.data_ptr())
+                          w.data_ptr(), k, tile_min, fscratch.data_ptr(), iscratch.data_ptr(), y.data_ptr())
     return y
 
 
