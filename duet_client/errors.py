@@ -56,9 +56,15 @@ class DeadlineExceeded(DuetClientError):
 
 
 class Unavailable(DuetClientError):
-    """The server cannot be reached, is draining, or has no live worker (retried before the first token)."""
+    """The server cannot be reached, is draining, has no live worker (retried before the first token), or cannot
+    reach its Ray cluster; ``retry_after_s``: the server's hint when it gave one."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, details: str, *, code: grpc.StatusCode | None = None, retry_after_s: float | None = None
+                 ) -> None:
+        super().__init__(details, code=code)
+        self.retry_after_s = retry_after_s
 
 
 class NotFound(DuetClientError):
@@ -100,8 +106,8 @@ def retry_after_from_metadata(metadata) -> float | None:
 def from_status(code: grpc.StatusCode, details: str | None, trailing_metadata=None) -> DuetClientError:
     cls = _BY_CODE.get(code, Internal)
     details = details or code.name
-    if cls is ResourceExhausted:
-        return ResourceExhausted(details, code=code, retry_after_s=retry_after_from_metadata(trailing_metadata))
+    if cls is ResourceExhausted or cls is Unavailable:
+        return cls(details, code=code, retry_after_s=retry_after_from_metadata(trailing_metadata))
     return cls(details, code=code)
 
 

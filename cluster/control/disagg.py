@@ -33,7 +33,8 @@ from cluster.control import cluster_ops, reattach
 from cluster.control.admission import PrefillAdmission, apply_prefix_report
 from cluster.control.completion import Completion, collect
 from cluster.control.delta import Delta, WorkerPair
-from cluster.control.errors import AttemptFailed, DecodeInterruptedError, RequestTimeoutError, TransferFailedError
+from cluster.control.errors import AttemptFailed, ClusterUnavailableError, DecodeInterruptedError
+from cluster.control.errors import RequestTimeoutError, TransferFailedError
 from cluster.control.spec import ClusterSpec
 from cluster.control.streams import DecodeStreams
 from cluster.control.worker import Assignment, LocalHold, Worker, call, call_failure
@@ -137,7 +138,8 @@ class DisaggCluster:
             try:
                 async for item in self._serve(*prepared, params or SamplingParams(), request_id):
                     hand_over("item", item)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # the consumer left, or this cluster is stopping under it: an error
+                hand_over("error", ClusterUnavailableError("the cluster stopped while the request ran; retry"))
                 raise
             except BaseException as e:  # noqa: BLE001 - every failure goes to the consumer
                 hand_over("error", e)

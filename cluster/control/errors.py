@@ -43,6 +43,19 @@ class DecodeInterruptedError(DuetError):
     retryable = True
 
 
+class ClusterUnavailableError(DuetError):
+    """The front-end cannot reach its workers' Ray cluster: the Ray head (GCS) does not answer, or the front-end is
+    starting fresh workers after the head came back as a new cluster (:mod:`cluster.serve.head_watch`). Refused at
+    once, nothing reserved; the client may send it again after ``retry_after_s`` seconds."""
+
+    code = "cluster_unavailable"
+    retryable = True
+
+    def __init__(self, message: str, *, retry_after_s: float = 2.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class AttemptFailed(Exception):
     """One attempt of a request failed on its (prefill, decode) pair in a way another pair may avoid: a worker died,
     the transfer failed, or a call raised a retryable typed error. Raised by the attempt

@@ -57,6 +57,14 @@ def run(args: argparse.Namespace) -> int:
         data.setdefault("detached_name", args.detached_name or "duet")
     model_default = data.get("model_dir") or str(default_model_dir())
     spec, cfg = build_configs(data, overrides, model_default)  # every config error before Ray starts
+    # read by Ray when it is imported: no Ray call of an old cluster's thread (metrics, a health ping) may start a
+    # Ray of its own while the head watch (cluster.serve.head_watch) re-initialises this process's driver
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
+    if args.address:
+        from cluster.serve.head_watch import keep_driver_alive
+
+        keep_driver_alive()  # a lost head is waited for (cluster.serve.head_watch), not the end of this process
+        _ray_token_auth()
 
     import ray
 
@@ -64,26 +72,52 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="duet serve: %(levelname)s %(message)s")
     started = not ray.is_initialized()
-    if started:
+
+    def init_ray() -> None:
         if args.address:
             ray.init(address=args.address, log_to_driver=False, configure_logging=False)
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, spec.num_prefill + spec.num_decode),
                      include_dashboard=False, log_to_driver=False, configure_logging=False)
-    cluster = None
+
+    if started:
+        init_ray()
+    holder: list = [None]
+
+    def rebuild() -> DisaggCluster:
+        """After the Ray head was lost: drop the old cluster (its actors went with the head), reconnect this
+        process's driver (the embedded cluster: start a new head) and start fresh workers."""
+        old, holder[0] = holder[0], None
+        if old is not None:  # once: a failed rebuild is tried again without it
+            old.abandon()
+        ray.shutdown()
+        init_ray()
+        holder[0] = DisaggCluster(spec)
+        return holder[0]
+
     try:
-        cluster = DisaggCluster(spec)
-        asyncio.run(_serve(cluster, cfg))
+        holder[0] = DisaggCluster(spec)
+        asyncio.run(_serve(holder, cfg, rebuild if started else None, embedded=not args.address))
     finally:
-        if cluster is not None:
-            cluster.shutdown()
+        if holder[0] is not None:
+            holder[0].shutdown()
         if started:
             ray.shutdown()
     print("duet serve: stopped", file=sys.stderr)
     return 0
 
 
-async def _serve(cluster, cfg) -> None:
+def _ray_token_auth() -> None:
+    """Ray 2.60's ``ray start --head`` turns token authentication on, and a driver joining it must say so: with a
+    token at hand (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``) and no ``RAY_AUTH_MODE``
+    chosen, send it (a head without authentication accepts such a driver as well)."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(path)):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+async def _serve(holder: list, cfg, rebuild, *, embedded: bool) -> None:
+    from cluster.serve.head_watch import HeadWatch
     from cluster.serve.server import Server
 
     loop = asyncio.get_running_loop()
@@ -100,10 +134,18 @@ async def _serve(cluster, cfg) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    server = Server(cluster, cfg)
+    server = Server(holder[0], cfg)
     await server.start()
+    # without a rebuild (Ray was started by someone else in this process) a lost head is still refused, not waited on
+    watch = HeadWatch(server, rebuild or _no_rebuild, restart_after_s=5.0 if embedded and rebuild else None)
+    watch.start()
     print(server.ready_line(), flush=True)
     try:
         await stop.wait()
     finally:
+        await watch.stop()
         await server.stop(force=force)
+
+
+def _no_rebuild():
+    raise RuntimeError("this process did not start Ray, so it cannot start it again")

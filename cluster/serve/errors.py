@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from cluster.control.errors import (
+    ClusterUnavailableError,
     DecodeInterruptedError,
     PrefillOverloadedError,
     RequestTimeoutError,
@@ -60,6 +61,9 @@ def classify(e: BaseException) -> ErrorInfo:
     if isinstance(e, OutOfBlocksError):
         return ErrorInfo(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "out_of_kv_blocks",
                          "overloaded", f"{msg}; retry shortly", 1.0)
+    if isinstance(e, ClusterUnavailableError):  # the Ray head is gone or being replaced: refused, nothing done
+        return ErrorInfo(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", ClusterUnavailableError.code,
+                         "unavailable", msg, e.retry_after_s)
     if isinstance(e, ServerDrainingError | TransferFailedError):
         return ErrorInfo(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", None, "unavailable", msg)
     if isinstance(e, DecodeInterruptedError):  # after tokens were streamed: the client may send it again

@@ -27,6 +27,7 @@ from cluster.serve.grpc_requests import API_VERSION, request_from_proto
 from cluster.serve.schema import ChoiceEnd, DeltaEvent, FinalEvent
 from cluster.serve.service import InferenceService
 from cluster.serve.tool_calls import HermesParser, reply_message, tool_parser
+from engine.errors import DuetError
 from duet_client._proto.duet.v1 import duet_pb2 as pb
 from duet_client._proto.duet.v1 import duet_pb2_grpc as pb_grpc
 from duet_client.errors import RETRY_AFTER_KEY
@@ -136,7 +137,11 @@ class DuetServicer(pb_grpc.DuetServicer):
         return pb.ListModelsResponse(api_version=API_VERSION, models=[pb.ModelInfo(**self.service.model_info())])
 
     async def ClusterStatus(self, request: pb.ClusterStatusRequest, context) -> pb.ClusterStatusResponse:
-        return status_to_proto(await self.service.status())
+        try:
+            st = await self.service.status()
+        except DuetError as e:  # the cluster cannot be asked (its Ray head is gone): UNAVAILABLE, not INTERNAL
+            await _abort_with(context, e)
+        return status_to_proto(st)
 
 
 def status_to_proto(st: dict) -> pb.ClusterStatusResponse:

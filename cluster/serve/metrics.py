@@ -86,6 +86,11 @@ class Metrics:
                                     buckets=_LATENCY_BUCKETS)
         self.decisions = Counter("duet_autoscale_decisions", "Autoscaling decisions that changed a pool",
                                  ["pool", "direction"], registry=r)
+        self.head_events = Counter("duet_ray_head_events", "Ray head losses and rebuilds on fresh workers "
+                                   "(cluster.serve.head_watch)", ["event"], registry=r)
+        self.available = Gauge("duet_cluster_available", "1 while the cluster takes requests, 0 while its Ray head is "
+                               "lost or being replaced", registry=r)
+        self.available.set(1)
         self.in_flight = Gauge("duet_requests_in_flight", "Requests being served", registry=r)
         self.in_flight.set_function(in_flight)
         self.transfers = _TransferCollector()
@@ -100,8 +105,15 @@ class Metrics:
         thread is the caller's to :meth:`~ClusterSampler.start` and :meth:`~ClusterSampler.stop`)."""
         assert self.sampler is None, "a cluster is already attached"
         self.sampler = ClusterSampler(cluster, refresh_s)
-        self.registry.register(_ClusterCollector(cluster, self.sampler))
+        self._collector = _ClusterCollector(cluster, self.sampler)
+        self.registry.register(self._collector)
         return self.sampler
+
+    def swap_cluster(self, cluster: Any) -> None:
+        """Export ``cluster`` instead of the attached one (the same sampler thread; its snapshot starts empty)."""
+        assert self.sampler is not None, "no cluster attached"
+        self.sampler.cluster = self._collector.cluster = cluster
+        self.sampler.workers, self.sampler.experts = [], None
 
     def observe_finished(self, timeline: dict, prompt_tokens: int, completion_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

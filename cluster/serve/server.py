@@ -22,6 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
+from grpc_health.v1 import health_pb2
+
 from cluster.control.autoscale import load_policy
 from cluster.serve.autoscaling import AutoscaleLoop
 from cluster.serve.config import ServeConfig
@@ -87,6 +89,31 @@ class Server:
         self.http_port = self._runner.addresses[0][1]
         self.sampler.start()
         if self.autoscale is not None:
+            self.autoscale.start()
+
+    async def mark_unavailable(self, reason: str | None) -> None:
+        """Refuse new requests with ``reason`` (ClusterUnavailableError: gRPC UNAVAILABLE / HTTP 503), health checks
+        failing, or (``None``) serve again (:mod:`cluster.serve.head_watch`)."""
+        self.service.unavailable = reason
+        self.service.metrics.available.set(reason is None)
+        if self._health is not None and not self.service.draining:
+            status = health_pb2.HealthCheckResponse.SERVING if reason is None else \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", "duet.v1.Duet"):
+                await self._health.set(name, status)
+
+    async def swap_cluster(self, cluster: Any) -> None:
+        """Serve on ``cluster`` from now on (a new one after the Ray head came back empty:
+        :mod:`cluster.serve.head_watch`); the old one was abandoned by whoever built this one. Same spec, same model:
+        the service's limits stay; metrics and autoscaling follow the new cluster."""
+        loop = asyncio.get_running_loop()
+        self.cluster = self.service.cluster = cluster
+        self.service.metrics.swap_cluster(cluster)
+        if self.autoscale is not None:
+            policy = self.autoscale.autoscaler.policy
+            await loop.run_in_executor(None, self.autoscale.stop)
+            self.autoscale = AutoscaleLoop(cluster, policy, self.service.metrics,
+                                           lambda: self.service.admission.in_flight)
             self.autoscale.start()
 
     def _ssl_context(self) -> ssl.SSLContext | None:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from cluster.control.errors import ClusterUnavailableError
 from cluster.control.delta import Delta
 from cluster.control.timeline import RequestClock
 from cluster.serve.chat import render_chat
@@ -111,6 +112,9 @@ class InferenceService:
         self.expert_load = ExpertLoad()
         self.metrics = Metrics(self._kv_blocks, lambda: self.admission.in_flight)
         self.draining = False
+        # why new requests are refused with ClusterUnavailableError (the Ray head is gone or being replaced:
+        # cluster.serve.head_watch sets and clears it); None while the cluster serves
+        self.unavailable: str | None = None
         self.requests_served = 0
         self._running: dict[str, asyncio.Queue] = {}
         self._tag = secrets.token_hex(3)  # keeps client-chosen ids of two front-ends on one cluster apart
@@ -125,6 +129,8 @@ class InferenceService:
         try:
             if self.draining:
                 raise ServerDrainingError("server is shutting down and takes no new requests")
+            if self.unavailable is not None:
+                raise ClusterUnavailableError(self.unavailable)
             self.admission.enter()
         except DuetError as e:
             self.metrics.requests.labels(api, self._failed(e)).inc()
@@ -309,6 +315,8 @@ class InferenceService:
                 "patch_size": v.patch_size if qwen else 0, "merge_size": v.spatial_merge_size if qwen else 0}
 
     async def status(self) -> dict:
+        if self.unavailable is not None:  # the workers cannot be asked: say why at once, not after each one's timeout
+            raise ClusterUnavailableError(self.unavailable)
         workers = await asyncio.get_running_loop().run_in_executor(None, self.cluster.status)
         decode = [w for w in workers if w["role"] == "decode" and w["alive"]]
         total = sum(w["total_blocks"] for w in decode)
@@ -322,7 +330,7 @@ class InferenceService:
                 "kv_memory": self.cluster.kv_memory_summary(workers), "healing": self.cluster.healing()}
 
     def healthy(self) -> bool:
-        return not self.draining and any(w.load.alive for w in self.cluster.decodes) and \
+        return not self.draining and self.unavailable is None and any(w.load.alive for w in self.cluster.decodes) and \
             any(w.load.alive for w in self.cluster.prefills)
 
     async def drain(self, timeout_s: float, force: asyncio.Event | None = None) -> None:

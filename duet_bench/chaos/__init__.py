@@ -2,8 +2,9 @@
 
 Open-loop streaming image requests through the gRPC API while it injects, at random and one at a time, the faults of
 :mod:`duet_bench.chaos.faults` (worker SIGKILLs, a stalled or corrupting link via
-:mod:`duet_bench.chaos.proxy`, lease expiry, abort storms, a restart of ``duet serve``); prints the outcome and
-fault tables (:mod:`duet_bench.chaos.report`) and writes the JSON. Exit code 1 when the bar is missed.
+:mod:`duet_bench.chaos.proxy`, lease expiry, abort storms, a restart of ``duet serve``, the loss of the Ray head:
+its GCS and raylet SIGKILLed, then a head again at the same address); prints the outcome and fault tables
+(:mod:`duet_bench.chaos.report`) and writes the JSON. Exit code 1 when the bar is missed.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The chaos soak's faults: what each one does to a running ``duet serve`` and how it is undone.
 
-Every fault is a :class:`Fault` kind; :func:`inject` runs one against a :class:`Target` (the serve process, its
-Ray worker processes found by process title under this process's raylet, the fault proxy, a client factory) and
-returns when the fault is over (a kill at once, a stall or a freeze after ``hold_s``). Recovery is measured by the
-soak, not here.
+Every fault is a kind in :data:`FAULTS`; :func:`inject` runs one against a :class:`Target` (the serve process, its
+Ray worker processes found by process title under the head's raylet, the fault proxy, the Ray head, a client
+factory) and returns when the fault is over (a kill at once, a stall or a freeze after ``hold_s``, a lost head once
+one is up again). Recovery is measured by the soak, not here.
 
 * ``kill_prefill`` / ``kill_decode``: SIGKILL of one worker process of that role (a decode worker of an
   expert-parallel group when the spec has one: the group is re-formed);
@@ -14,7 +14,11 @@ soak, not here.
   side expires the leases and frees their blocks, and what the frozen worker sends afterwards must be refused;
 * ``abort_storm``: ``storm`` streaming requests started at once and cancelled after 0-300 ms each;
 * ``restart_serve``: SIGKILL of the ``duet serve`` process, then a new one on the same ports (its workers die with
-  it: no worker process of the old one may outlive it).
+  it: no worker process of the old one may outlive it);
+* ``kill_head``: SIGKILL of the Ray head's gcs_server and raylet (an external head,
+  :class:`~duet_bench.chaos.head.ExternalHead`; its workers die with the raylet: none may outlive it), the rest of
+  the head's processes after them; ``hold_s`` later a head again on the same port, which ``duet serve`` (kept up,
+  answering UNAVAILABLE meanwhile) re-initialises Ray against, spawning fresh workers.
 """
 
 from __future__ import annotations
@@ -24,62 +28,34 @@ import os
 import random
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from duet_bench.chaos.head import descendants, title
 
 FAULTS = ("kill_prefill", "kill_decode", "stall_link", "corrupt_frames", "lease_expiry", "abort_storm",
-          "restart_serve")
+          "restart_serve", "kill_head")
 ROLE_TITLES = {"prefill": "ray::PrefillActor", "decode": "ray::DecodeActor"}
 
 
-def worker_pids(role: str, root: int | None = None) -> list[int]:
-    """PIDs of live Ray worker processes running a ``role`` actor, among the descendants of ``root`` (default this
-    process: the raylet it started, and so only this soak's workers, not another Ray cluster's on the host)."""
-    parents: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-                parents[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parents.items():
-        children.setdefault(ppid, []).append(pid)
-    todo, seen = [root or os.getpid()], []
-    while todo:
-        pid = todo.pop()
-        for c in children.get(pid, []):
-            seen.append(c)
-            todo.append(c)
-    out = []
-    for pid in seen:
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if title.startswith(ROLE_TITLES[role]) and state != "Z":
-            out.append(pid)
-    return sorted(out)
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+def worker_pids(role: str, roots: Iterable[int] = ()) -> list[int]:
+    """PIDs of live Ray worker processes running a ``role`` actor, among the descendants of ``roots`` (the head's
+    raylet, or this process when it hosts the head: so only this soak's workers, not another Ray cluster's on the
+    host; default this process)."""
+    return sorted(p for p in descendants(list(roots) or [os.getpid()]) if title(p).startswith(ROLE_TITLES[role]))
 
 
 @dataclass
 class Target:
-    """What the faults act on; ``restart`` kills and restarts the serve process (returns the old workers' PIDs),
-    ``storm_request(cancel_after_s)`` runs one request that the client cancels."""
+    """What the faults act on; ``workers(role)`` lists the live worker PIDs of a role, ``restart`` kills and
+    restarts the serve process (returns the old workers' PIDs), ``lose_head`` kills the Ray head and starts one
+    again (returns the fault's ``detail``), ``storm_request(cancel_after_s)`` runs one
+    request that the client cancels."""
 
     proxy: object
+    workers: Callable[[str], list[int]]
     restart: Callable[[], Awaitable[list[int]]]
+    lose_head: Callable[[], Awaitable[dict]]
     storm_request: Callable[[float], Awaitable[None]]
     hold_s: float
     storm: int
@@ -89,7 +65,7 @@ class Target:
 async def inject(kind: str, t: Target) -> dict:
     """Run fault ``kind``; returns ``{"kind", "detail", "over_at"}`` (``time.monotonic()`` when it ended)."""
     if kind in ("kill_prefill", "kill_decode"):
-        pids = worker_pids(kind.split("_")[1])
+        pids = t.workers(kind.split("_")[1])
         if not pids:
             return {"kind": kind, "detail": "no such worker alive", "over_at": time.monotonic()}
         pid = t.rng.choice(pids)
@@ -103,7 +79,7 @@ async def inject(kind: str, t: Target) -> dict:
             t.proxy.set_mode("forward")
         return {"kind": kind, "detail": f"{t.hold_s:.1f} s", "over_at": time.monotonic()}
     if kind == "lease_expiry":
-        pids = worker_pids("prefill")
+        pids = t.workers("prefill")
         if not pids:
             return {"kind": kind, "detail": "no prefill worker alive", "over_at": time.monotonic()}
         pid = t.rng.choice(pids)
@@ -120,4 +96,6 @@ async def inject(kind: str, t: Target) -> dict:
         old = await t.restart()
         return {"kind": kind, "detail": f"serve restarted ({len(old)} old workers)", "over_at": time.monotonic(),
                 "old_workers": old}
+    if kind == "kill_head":
+        return {"kind": kind, **await t.lose_head(), "over_at": time.monotonic()}
     raise ValueError(f"unknown fault {kind!r} (known: {', '.join(FAULTS)})")

@@ -1,8 +1,10 @@
 """The soak: a ``duet serve`` process under open-loop load while faults are injected at random, then the verdict.
 
-Setup (loopback only): this process hosts the Ray head; ``duet serve --address`` runs as a child process (so it can
-be SIGKILLed and restarted) with 2 prefill and 2 decode workers (an expert-parallel group of 2 when the model has
-experts), the gRPC KV transport dialling through a :class:`~duet_bench.chaos.proxy.FaultProxy`, short leases.
+Setup (loopback only): this process hosts the Ray head, or, when ``kill_head`` is among the faults, the head runs in
+processes of its own (``ray start --head``, :mod:`duet_bench.chaos.head`) that this process never connects to, so
+the GCS can die under it; ``duet serve --address`` runs as a child process (so it can be SIGKILLed and restarted)
+with 2 prefill and 2 decode workers (an expert-parallel group of 2 when the model has experts), the gRPC KV
+transport dialling through a :class:`~duet_bench.chaos.proxy.FaultProxy`, short leases.
 Load: Poisson arrivals of streaming image requests (the prompts of :func:`duet_bench.serve_workload.make_workload`,
 a pool replayed round-robin) through the SDK's ``AsyncClient``; a client retries a typed failure (reconnecting after
 a restart) up to ``attempts`` times within its deadline. Faults: :mod:`duet_bench.chaos.faults`, a shuffled cycle
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import random
 import signal
 import socket
@@ -28,7 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from duet_bench.chaos.faults import FAULTS, Target, alive, inject, worker_pids
+from duet_bench.chaos.faults import FAULTS, Target, inject, worker_pids
+from duet_bench.chaos.head import ExternalHead, LocalHead, alive
 from duet_bench.chaos.proxy import FaultProxy
 
 OUTCOMES = ("correct", "typed", "hung", "wrong", "untyped")
@@ -70,19 +74,20 @@ def spec_fields(c: SoakConfig, proxy: str) -> dict:
 class ServeProcess:
     """``duet serve`` as a child process on a fixed gRPC port (so a restart keeps the clients' target)."""
 
-    def __init__(self, config: Path, ray_address: str, log: Path) -> None:
+    def __init__(self, config: Path, ray_address: str, log: Path, env: dict[str, str]) -> None:
         self.port = _free_port()
         self.target = f"127.0.0.1:{self.port}"
         self._cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--address", ray_address,
                      "--grpc-port", str(self.port)]
         self._log = log
+        self._env = os.environ | env  # the head's (its auth mode)
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
     async def start(self, timeout_s: float = 180.0) -> float:
         t0 = time.monotonic()
         with open(self._log, "a") as err:
-            self.proc = subprocess.Popen(self._cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+            self.proc = subprocess.Popen(self._cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=self._env)
         self.starts += 1
         line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)
         if "ready" not in line:
@@ -104,10 +109,11 @@ class ServeProcess:
 
 
 class Soak:
-    def __init__(self, c: SoakConfig, serve: ServeProcess, pool: list[dict], want: list[list[int]]) -> None:
+    def __init__(self, c: SoakConfig, head: LocalHead | ExternalHead, serve: ServeProcess, pool: list[dict],
+                 want: list[list[int]]) -> None:
         from duet_client import AsyncClient
 
-        self.c, self.serve, self.pool, self.want = c, serve, pool, want
+        self.c, self.head, self.serve, self.pool, self.want = c, head, serve, pool, want
         self.client = AsyncClient(serve.target)
         self.rng = random.Random(c.seed)
         self.records: list[dict] = []
@@ -196,8 +202,11 @@ class Soak:
             k += 1
         self.records = list(await asyncio.gather(*tasks))
 
+    def workers(self, role: str) -> list[int]:
+        return worker_pids(role, self.head.worker_roots())
+
     async def restart(self) -> list[int]:
-        old = worker_pids("prefill") + worker_pids("decode")
+        old = self.workers("prefill") + self.workers("decode")
         self.faults[-1]["killed_at"] = time.monotonic()  # recovery counts from here: nothing serves until ready
         self.serve.kill()
         took = await self.serve.start()
@@ -206,9 +215,16 @@ class Soak:
         self.faults[-1]["restart_s"] = took
         return old
 
+    async def lose_head(self) -> dict:
+        assert isinstance(self.head, ExternalHead), "kill_head needs the soak's own head process"
+        lost = await self.head.lose(self.c.hold_s)
+        self.orphans += lost["orphans"]
+        return {"detail": f"head down {lost['down_s']:.1f} s, up again in {lost['start_s']:.1f} s"}
+
     async def chaos(self, t0: float) -> None:
         kinds: list[str] = []
-        target = Target(self.proxy, self.restart, self.storm_request, self.c.hold_s, self.c.storm, self.rng)
+        target = Target(self.proxy, self.workers, self.restart, self.lose_head, self.storm_request, self.c.hold_s,
+                        self.c.storm, self.rng)
         end = t0 + self.c.duration_s - 5
         while self.c.num_faults is None or len(self.faults) < self.c.num_faults:
             await asyncio.sleep(self.rng.uniform(*self.c.gap_s))
@@ -291,36 +307,36 @@ def make_pool(c: SoakConfig) -> tuple[list[dict], list[list[int]]]:
 
 
 def run_soak(c: SoakConfig) -> dict:
-    """Start everything, soak, stop everything; the raw results (see :func:`duet_bench.chaos.report.summary`)."""
-    import ray
-
+    """Start everything, soak, stop everything (also when the soak raises: no process of the soak's own head, serve
+    or workers is left); the raw results (see :func:`duet_bench.chaos.report.summary`)."""
     bad = set(c.faults) - set(FAULTS)
     if bad:
         raise ValueError(f"unknown fault(s) {sorted(bad)} (known: {', '.join(FAULTS)})")
     log_dir = Path(c.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     pool, want = make_pool(c)
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    head = ExternalHead(log_dir / "head.log") if "kill_head" in c.faults else LocalHead()
     proxy = FaultProxy(seed=c.seed)
-    config = log_dir / "serve.json"
-    config.write_text(json.dumps(spec_fields(c, proxy.address)))
-    (log_dir / "serve.log").write_text("")  # this soak's serve processes append to it
-    serve = ServeProcess(config, ray.get_runtime_context().gcs_address, log_dir / "serve.log")
+    serve: ServeProcess | None = None
 
     async def main() -> dict:
         startup_s = await serve.start()
-        out = await Soak(c, serve, pool, want).run(proxy)
+        out = await Soak(c, head, serve, pool, want).run(proxy)
         return out | {"startup_s": startup_s, "serve_starts": serve.starts}
 
     try:
-        return asyncio.run(main())
+        head.start()
+        config = log_dir / "serve.json"
+        config.write_text(json.dumps(spec_fields(c, proxy.address)))
+        (log_dir / "serve.log").write_text("")  # this soak's serve processes append to it
+        serve = ServeProcess(config, head.address, log_dir / "serve.log", head.env)
+        out = asyncio.run(main())
     finally:
-        serve.stop()
+        if serve is not None:
+            serve.stop()
         proxy.close()
-        if started:
-            ray.shutdown()
+        head.stop()
+    return out | {"head": head.describe()}
 
 
 def _png(img) -> bytes:

@@ -1,7 +1,10 @@
 """The chaos soak's short form (``duet bench chaos``, :mod:`duet_bench.chaos`): a ``duet serve`` child process
 under open-loop streaming image requests while a prefill worker is SIGKILLed and frozen past its leases, the
 prefill -> decode gRPC link is stalled and corrupted through the fault proxy, and clients abort a storm of requests.
-No request hangs or comes back wrong, every failure is typed, and nothing is held at the end."""
+No request hangs or comes back wrong, every failure is typed, and nothing is held at the end. A second form loses
+the Ray head (its GCS and raylet SIGKILLed, a head again at the same address ``hold_s`` later) under the same
+load: ``duet serve`` outlives it and serves again with fresh workers, and no process of that head survives the
+soak."""
 
 from __future__ import annotations
 
@@ -27,6 +30,25 @@ def test_short_chaos_soak_has_no_hung_wrong_or_held(ray_cluster, tmp_path):
     assert s["end"]["workers_alive"] == 4, s["end"]
     assert len(s["faults"]) >= 3 and all(f["recovery_s"] is not None for f in s["faults"]), s["faults"]
     assert sum(s["storm"].values()) > 0
+
+
+def test_chaos_soak_survives_ray_head_loss(tmp_path):
+    from duet_bench.chaos.head import cmdlines
+
+    c = SoakConfig(model_dir=str(default_model_dir()), rate=3.0, duration_s=12.0, faults=("kill_head",),
+                   num_faults=1, gap_s=(2.0, 3.0), hold_s=2.0, pool=6, output_max=8, seed=2, log_dir=str(tmp_path))
+    raw = run_soak(c)
+    s = summary(raw, rate=c.rate, duration_s=c.duration_s)
+    print(tables(s))
+    o = s["outcomes"]
+    assert o["hung"] == 0 and o["wrong"] == 0 and o["untyped"] == 0, s["examples"]
+    assert [f["kind"] for f in s["faults"]] == ["kill_head"], s["faults"]
+    assert s["faults"][0]["recovery_s"] is not None and s["faults"][0]["recovery_s"] < 30, s["faults"]
+    assert s["end"]["workers_alive"] == 4 and s["end"]["blocks_held"] == 0, s["end"]
+    assert s["end"]["orphan_workers"] == 0 and s["end"]["head_processes_left"] == 0, s["end"]
+    head = raw["head"]
+    assert head["kind"] == "external" and head["starts"] == 2, head
+    assert not [p for p, argv in cmdlines().items() if any(head["temp_dir"] in a for a in argv)]
 
 
 def test_fault_proxy_stalls_without_closing_and_resumes():
