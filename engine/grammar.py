@@ -31,6 +31,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.grammar_spec import StructuredOutputsParams
+from engine.isolation import RequestFailedError
 from engine.sampler import BatchedLogitsProcessor
 
 if TYPE_CHECKING:
@@ -113,6 +114,13 @@ class GrammarFactory:
         return GrammarProcessor(matcher, self.eos_token_ids, self._lltok.vocab_size)
 
 
+class GrammarViolationError(RequestFailedError):
+    """A token the request's grammar refuses was appended (only a defect lets one past the mask). The request ends
+    with ``finish_reason "error"``, not with output that breaks its constraint presented as a natural stop."""
+
+    code = "grammar_violation"
+
+
 class GrammarProcessor(BatchedLogitsProcessor):
     """One sequence's grammar matcher (see the module docstring for the call contract)."""
 
@@ -162,7 +170,9 @@ class GrammarProcessor(BatchedLogitsProcessor):
             return  # the EOS that ends a complete output: nothing left to match
         if not self.matcher.consume_token(token_id):
             self.rejected += 1
-            logger.error("grammar rejected token %d: %s", token_id, self.matcher.get_error())
+            why = (self.matcher.get_error() or "").splitlines()[0][:300]
+            logger.error("grammar rejected token %d: %s", token_id, why)
+            raise GrammarViolationError(f"token {token_id} breaks the request's structured-output constraint ({why})")
 
 
 def _bit(k: int) -> int:

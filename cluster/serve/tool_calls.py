@@ -50,6 +50,12 @@ class ToolRequest:
     def constrained(self) -> bool:
         return self.mode in ("required", "function")
 
+    @property
+    def guarded(self) -> bool:
+        """``auto`` with something to enforce: a tool marked ``strict`` (its calls' arguments follow its schema) or
+        ``parallel_tool_calls: false`` (at most one call); the reply may still be plain text."""
+        return self.mode == "auto" and (not self.parallel or any(f.get("strict") is True for f in self.functions))
+
 
 def tools_from_body(body: dict) -> ToolRequest | None:
     """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` of a chat body (None without tools); raises
@@ -161,15 +167,26 @@ class HermesParser:
     start, end, sep = "<tool_call>", "</tool_call>", "\n"
 
     def grammar(self, req: ToolRequest) -> StructuredOutputsParams:
-        """The Lark grammar (llguidance's dialect) of the calls ``req`` requires."""
+        """The Lark grammar (llguidance's dialect) of the calls ``req`` requires (``required`` or a named function:
+        calls only), or allows (``auto`` when :attr:`ToolRequest.guarded`: any text without a call tag, or text then
+        calls -- one without ``parallel_tool_calls`` -- whose arguments follow the schema of each tool marked
+        ``strict``, any JSON object for the others)."""
         fns = [f for f in req.functions if req.mode != "function" or f["name"] == req.name]
-        one = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-                "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
+        loose = req.mode == "auto"
+        one = [{"type": "object", "properties": {
+            "name": {"const": f["name"]},
+            "arguments": f["parameters"] if not loose or f.get("strict") is True else {"type": "object"}},
+            "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
         schema = {**(one[0] if len(one) == 1 else {"anyOf": one}), "x-guidance": {"whitespace_flexible": False}}
-        many = req.parallel and req.mode == "required"
-        lark = (f"start: call{' (SEP call)*' if many else ''}\nSEP: {json.dumps(self.sep)}\n"
-                f"call: {json.dumps(self.start + chr(10))} body {json.dumps(chr(10) + self.end)}\n"
-                f"body: %json {json.dumps(schema)}\n")
+        many = req.parallel and req.mode in ("required", "auto")
+        start, end = json.dumps(self.start + chr(10)), json.dumps(chr(10) + self.end)
+        rest = f" (SEP {start} body {end})*" if many else ""
+        if loose:  # text that never opens a call, or text up to the first call's tag (a lazy rule ending at it)
+            free = f"/(?s:.*)/ & ~/(?s:.*){re.escape(self.start)}(?s:.*)/"
+            lark = (f"start: TEXT | pre body {end}{rest}\nTEXT: {free}\npre[stop={start}]: TEXT\n")
+        else:
+            lark = f"start: {start} body {end}{rest}\n"
+        lark += f"SEP: {json.dumps(self.sep)}\nbody: %json {json.dumps(schema)}\n"
         return StructuredOutputsParams(grammar=lark)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -288,10 +305,11 @@ def tool_parser(tools: ToolRequest | None, sampling: Any, model_type: str) -> He
     if tools is None or tools.mode == "none":
         return None
     parser = parser_for(model_type)
-    if tools.constrained:
+    if tools.constrained or tools.guarded:
         if sampling.structured_outputs is not None:
             raise InvalidRequestError("'response_format' cannot be combined with tool_choice required or a named "
-                                      "function (both constrain the reply)")
+                                      "function, a strict tool or parallel_tool_calls false (both constrain the "
+                                      "reply)")
         sampling.structured_outputs = checked(parser.grammar(tools))
     return parser
 

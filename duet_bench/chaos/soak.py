@@ -37,6 +37,7 @@ from duet_bench.chaos.proxy import FaultProxy
 
 OUTCOMES = ("correct", "typed", "hung", "wrong", "untyped")
 RECOVERY_BOUND_S = 30.0
+WORKERS = 4  # the soak's cluster: 2 prefill + 2 decode workers (spec_fields)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ class Soak:
         self.storm_outcomes: dict[str, int] = {}
         self.faults: list[dict] = []
         self.orphans: list[int] = []
+        self._checks: list[asyncio.Task] = []  # leak checks that run beside the recovery probes
 
     # -- one request ---------------------------------------------------------------------------------------------
     async def request(self, k: int) -> dict:
@@ -210,10 +212,19 @@ class Soak:
         self.faults[-1]["killed_at"] = time.monotonic()  # recovery counts from here: nothing serves until ready
         self.serve.kill()
         took = await self.serve.start()
-        gone = await _wait(lambda: not any(alive(p) for p in old), RECOVERY_BOUND_S)
-        self.orphans += [p for p in old if alive(p)] if gone is None else []
         self.faults[-1]["restart_s"] = took
+        # the new serve reattaches to the old workers it can reuse (cluster.control.reattach) and kills the rest:
+        # within the bound no more worker processes than the cluster has may be left (checked beside the recovery)
+        self._checks.append(asyncio.create_task(self._no_extra_workers(old)))
         return old
+
+    async def _no_extra_workers(self, old: list[int]) -> None:
+        def live() -> list[int]:
+            return self.workers("prefill") + self.workers("decode")
+
+        if await _wait(lambda: len(live()) <= WORKERS, RECOVERY_BOUND_S) is None:
+            extra = len(live()) - WORKERS
+            self.orphans += [p for p in old if alive(p)][:max(0, extra)] or live()[:max(0, extra)]
 
     async def lose_head(self) -> dict:
         assert isinstance(self.head, ExternalHead), "kill_head needs the soak's own head process"
@@ -283,6 +294,7 @@ class Soak:
         chaos = asyncio.create_task(self.chaos(t0))
         await self.load(t0)
         await chaos
+        await asyncio.gather(*self._checks)
         wall = time.monotonic() - t0
         return {"wall_s": wall, "records": self.records, "faults": self.faults, "storm": self.storm_outcomes,
                 "end": await self.end_state(), "proxy": {"connections": proxy.connections,

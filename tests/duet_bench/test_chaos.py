@@ -32,18 +32,21 @@ def test_short_chaos_soak_has_no_hung_wrong_or_held(ray_cluster, tmp_path):
     assert sum(s["storm"].values()) > 0
 
 
-def test_chaos_soak_survives_ray_head_loss(tmp_path):
+def test_chaos_soak_survives_ray_head_loss_and_a_serve_restart(tmp_path):
     from duet_bench.chaos.head import cmdlines
 
-    c = SoakConfig(model_dir=str(default_model_dir()), rate=3.0, duration_s=12.0, faults=("kill_head",),
-                   num_faults=1, gap_s=(2.0, 3.0), hold_s=2.0, pool=6, output_max=8, seed=2, log_dir=str(tmp_path))
+    c = SoakConfig(model_dir=str(default_model_dir()), rate=3.0, duration_s=30.0,
+                   faults=("kill_head", "restart_serve"), num_faults=2, gap_s=(2.0, 3.0), hold_s=2.0, pool=6,
+                   output_max=8, seed=2, log_dir=str(tmp_path))
     raw = run_soak(c)
     s = summary(raw, rate=c.rate, duration_s=c.duration_s)
     print(tables(s))
     o = s["outcomes"]
     assert o["hung"] == 0 and o["wrong"] == 0 and o["untyped"] == 0, s["examples"]
-    assert [f["kind"] for f in s["faults"]] == ["kill_head"], s["faults"]
-    assert s["faults"][0]["recovery_s"] is not None and s["faults"][0]["recovery_s"] < 30, s["faults"]
+    # a serve restart as well: the new serve reattaches to the workers it can reuse (they are no orphans) and kills
+    # the rest
+    assert sorted(f["kind"] for f in s["faults"]) == ["kill_head", "restart_serve"], s["faults"]
+    assert all(f["recovery_s"] is not None and f["recovery_s"] < 30 for f in s["faults"]), s["faults"]
     assert s["end"]["workers_alive"] == 4 and s["end"]["blocks_held"] == 0, s["end"]
     assert s["end"]["orphan_workers"] == 0 and s["end"]["head_processes_left"] == 0, s["end"]
     head = raw["head"]

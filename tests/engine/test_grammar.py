@@ -111,3 +111,27 @@ def test_spec_takes_exactly_one_kind_and_survives_the_wire():
     p = SamplingParams(structured_outputs=Structured(json=SCHEMA))
     back = messages.params_from_dict(messages.unpack(messages.pack(p=messages.params_to_dict(p)))["p"])
     assert back.structured_outputs == p.structured_outputs and json.loads(back.structured_outputs.json) == SCHEMA
+
+
+def test_a_token_the_grammar_refuses_fails_that_request_not_stops_it(make_llm, monkeypatch):
+    """Were a token the mask forbids ever appended (a defect: here the mask lets everything through), the request
+    ends with finish_reason "error" and the grammar's reason, not as a "stop" with output that breaks its
+    constraint; a request of the same batch without a grammar is untouched."""
+    from engine.grammar import GrammarProcessor
+
+    llm = make_llm()
+    free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate([PROMPT], [free])[0].outputs[0].token_ids
+
+    def allow_all(self, mask, i):
+        mask[i].fill_(-1)  # every bit set: every token allowed
+
+    monkeypatch.setattr(GrammarProcessor, "fill", allow_all)
+    bad = SamplingParams(temperature=1.0, seed=3, max_tokens=8,
+                         structured_outputs=Structured(choice=["yes", "no"]))
+    outs = llm.generate([PROMPT, PROMPT], [bad, free])
+    c = outs[0].outputs[0]
+    assert c.finish_reason == "error", (c.finish_reason, c.text)
+    assert "grammar_violation" in (outs[0].error or "") or "GrammarViolationError" in (outs[0].error or ""), outs[0]
+    assert outs[1].outputs[0].token_ids == want and outs[1].outputs[0].finish_reason == "length"
+    assert_no_leaked_blocks(llm.engine)

@@ -56,9 +56,9 @@ def test_tool_choice_grammar_compiles_and_names_the_function():
     assert req.mode == "function" and req.name == "get_weather" and req.constrained
     spec = parser_for("qwen3").grammar(req)
     validate(spec)
-    assert "get_weather" in spec.grammar and "(SEP call)*" not in spec.grammar  # exactly one call
+    assert "get_weather" in spec.grammar and "(SEP " not in spec.grammar  # exactly one call
     many = parser_for("qwen3").grammar(tools_from_body({"tools": [WEATHER], "tool_choice": "required"}))
-    assert "(SEP call)*" in many.grammar
+    assert "(SEP " in many.grammar
     assert tools_from_body({"tools": [WEATHER], "tool_choice": "none"}).rendered is None
     assert tools_from_body({}) is None
 
@@ -108,3 +108,67 @@ def test_falsy_or_mistyped_tool_fields_are_refused_not_ignored(body):
     with pytest.raises(InvalidRequestError):
         tools_from_body(body)
     assert tools_from_body({"tools": []}) is None and tools_from_body({"tools": None}) is None
+
+
+def _matcher_run(grammar: str, text: str) -> tuple[bool, bool]:
+    """(every token of ``text`` accepted, the grammar complete after it) under the demo tokenizer."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    m = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok), llguidance.grammar_from("lark", grammar), log_level=0)
+    ok = all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False))
+    return ok, ok and m.is_accepting()
+
+
+def _call(name: str, args: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args}, separators=(',', ':'))}\n</tool_call>"
+
+
+STRICT = {"type": "function", "function": {**WEATHER["function"], "strict": True,
+                                           "parameters": {**WEATHER["function"]["parameters"],
+                                                          "additionalProperties": False}}}
+LOOSE = {"type": "function", "function": {"name": "note", "parameters": {"type": "object", "properties": {
+    "text": {"type": "string"}}, "required": ["text"]}}}
+
+
+def test_auto_with_a_strict_tool_allows_text_and_holds_calls_to_its_schema():
+    """tool_choice auto, a tool marked strict: the reply may be plain text, or text then calls, and a strict tool's
+    arguments must follow its schema (a non-strict tool's may be any object); the grammar used to be skipped in auto
+    mode, so strict was accepted and ignored."""
+    req = tools_from_body({"tools": [STRICT, LOOSE]})
+    assert req.mode == "auto" and req.guarded and not req.constrained
+    g = parser_for("qwen3").grammar(req).grammar
+    validate(parser_for("qwen3").grammar(req))
+    assert _matcher_run(g, "No tool needed: it is sunny.") == (True, True)
+    good = _call("get_weather", {"city": "Oslo"})
+    assert _matcher_run(g, f"Let me check.\n{good}") == (True, True)
+    assert _matcher_run(g, f"{good}\n{_call('note', {'anything': [1, 2]})}") == (True, True)  # not strict
+    assert _matcher_run(g, f"Let me check.\n{_call('get_weather', {'town': 'Oslo'})}")[0] is False
+    assert _matcher_run(g, _call("get_weather", {"city": 7}))[0] is False
+    assert _matcher_run(g, _call("unknown_tool", {}))[0] is False
+
+
+def test_auto_without_parallel_calls_allows_one_call_at_most():
+    req = tools_from_body({"tools": [WEATHER], "parallel_tool_calls": False})
+    assert req.guarded
+    g = parser_for("qwen3").grammar(req).grammar
+    one = _call("get_weather", {"city": "Oslo"})
+    assert _matcher_run(g, f"Sure.\n{one}") == (True, True)
+    assert _matcher_run(g, f"{one}\n{one}")[0] is False
+    assert _matcher_run(g, "plain text") == (True, True)
+    assert not tools_from_body({"tools": [WEATHER]}).guarded  # auto, nothing strict, parallel: unconstrained
+
+
+def test_a_guarded_auto_reply_cannot_also_take_response_format():
+    from cluster.serve.tool_calls import tool_parser
+    from engine import SamplingParams
+    from engine.grammar_spec import StructuredOutputsParams
+
+    sp = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
+    with pytest.raises(InvalidRequestError, match="strict tool"):
+        tool_parser(tools_from_body({"tools": [STRICT]}), sp, "qwen3")
+    plain = SamplingParams()
+    assert tool_parser(tools_from_body({"tools": [STRICT]}), plain, "qwen3") is not None
+    assert plain.structured_outputs is not None
