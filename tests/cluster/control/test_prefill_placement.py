@@ -33,8 +33,9 @@ def test_a_burst_is_shared_by_both_prefill_workers(two_prefill):
     assert all(len(x.token_ids) == 2 for x in got)
     share = Counter(_prefill_of(x) for x in got)
     print(f"burst share of 48: {dict(share)}")
-    # speeds are bounded to 2x (a 1/3 share); speed samples and queue timing on a busy 2-core host add slack
-    assert set(share) == {"prefill-0", "prefill-1"} and min(share.values()) >= 48 // 6, share
+    # speeds are bounded to 2x, so each worker's share is at least 1/3 (16 of 48); two requests of slack for the
+    # queue timing a busy 2-core host adds (observed under a concurrent CI run: 21-24 each)
+    assert set(share) == {"prefill-0", "prefill-1"} and min(share.values()) >= 48 // 3 - 2, share
     assert all(w.prefill_tokens == 0 for w in two_prefill.prefills)  # the one counter drains to zero
     assert set(two_prefill.check_no_leaks().values()) == {0}
 
