@@ -37,16 +37,20 @@ class Unauthenticated(DuetClientError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
-class ResourceExhausted(DuetClientError):
-    """The server is at its concurrency cap, out of KV space, or its prefill workers have more queued than they could
-    finish before this request's timeout; retry after ``retry_after_s`` seconds."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+class _RetryHint(DuetClientError):
+    """An error that may carry the server's ``retry_after_s`` hint (gRPC trailing metadata)."""
 
     def __init__(self, details: str, *, code: grpc.StatusCode | None = None, retry_after_s: float | None = None
                  ) -> None:
         super().__init__(details, code=code)
         self.retry_after_s = retry_after_s
+
+
+class ResourceExhausted(_RetryHint):
+    """The server is at its concurrency cap, out of KV space, or its prefill workers have more queued than they could
+    finish before this request's timeout; retry after ``retry_after_s`` seconds."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class DeadlineExceeded(DuetClientError):
@@ -55,16 +59,11 @@ class DeadlineExceeded(DuetClientError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-class Unavailable(DuetClientError):
+class Unavailable(_RetryHint):
     """The server cannot be reached, is draining, has no live worker (retried before the first token), or cannot
     reach its Ray cluster; ``retry_after_s``: the server's hint when it gave one."""
 
     code = grpc.StatusCode.UNAVAILABLE
-
-    def __init__(self, details: str, *, code: grpc.StatusCode | None = None, retry_after_s: float | None = None
-                 ) -> None:
-        super().__init__(details, code=code)
-        self.retry_after_s = retry_after_s
 
 
 class NotFound(DuetClientError):
@@ -106,7 +105,7 @@ def retry_after_from_metadata(metadata) -> float | None:
 def from_status(code: grpc.StatusCode, details: str | None, trailing_metadata=None) -> DuetClientError:
     cls = _BY_CODE.get(code, Internal)
     details = details or code.name
-    if cls is ResourceExhausted or cls is Unavailable:
+    if issubclass(cls, _RetryHint):
         return cls(details, code=code, retry_after_s=retry_after_from_metadata(trailing_metadata))
     return cls(details, code=code)
 

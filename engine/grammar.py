@@ -170,7 +170,7 @@ class GrammarProcessor(BatchedLogitsProcessor):
             return  # the EOS that ends a complete output: nothing left to match
         if not self.matcher.consume_token(token_id):
             self.rejected += 1
-            why = (self.matcher.get_error() or "").splitlines()[0][:300]
+            why = next(iter((self.matcher.get_error() or "").splitlines()), "")[:300]
             logger.error("grammar rejected token %d: %s", token_id, why)
             raise GrammarViolationError(f"token {token_id} breaks the request's structured-output constraint ({why})")
 

@@ -89,11 +89,6 @@ class HeadWatch:
                 pass
             self._task = None
 
-    def summary(self) -> dict:
-        return {"state": self.state, "losses": self.losses, "rebuilds": self.rebuilds,
-                "failed_rebuilds": self.failed_rebuilds,
-                "lost_s": None if self.lost_at is None else time.monotonic() - self.lost_at}
-
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -126,9 +121,7 @@ class HeadWatch:
                                            f"{time.monotonic() - self.lost_at:.0f} s); retry shortly")
 
     def _count(self, event: str) -> None:
-        metrics = getattr(self.server.service, "metrics", None)
-        if metrics is not None:
-            metrics.head_events.labels(event).inc()
+        self.server.service.metrics.head_events.labels(event).inc()
 
     async def _serve(self) -> None:
         self.state, self.lost_at = UP, None

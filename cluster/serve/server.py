@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-
 from grpc_health.v1 import health_pb2
 
 from cluster.control.autoscale import load_policy
@@ -55,8 +54,7 @@ class Server:
         self.sampler = self.service.metrics.attach_cluster(cluster, self.METRICS_REFRESH_S)
         self.autoscale: AutoscaleLoop | None = None
         if cfg.autoscaling_policy is not None:
-            self.autoscale = AutoscaleLoop(cluster, load_policy(cfg.autoscaling_policy), self.service.metrics,
-                                           lambda: self.service.admission.in_flight)
+            self.autoscale = self._autoscale_loop(cluster, load_policy(cfg.autoscaling_policy))
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self._grpc = self._health = self._runner = None
@@ -112,9 +110,11 @@ class Server:
         if self.autoscale is not None:
             policy = self.autoscale.autoscaler.policy
             await loop.run_in_executor(None, self.autoscale.stop)
-            self.autoscale = AutoscaleLoop(cluster, policy, self.service.metrics,
-                                           lambda: self.service.admission.in_flight)
+            self.autoscale = self._autoscale_loop(cluster, policy)
             self.autoscale.start()
+
+    def _autoscale_loop(self, cluster: Any, policy: Any) -> AutoscaleLoop:
+        return AutoscaleLoop(cluster, policy, self.service.metrics, lambda: self.service.admission.in_flight)
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         if not self.cfg.tls:

@@ -23,8 +23,8 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from cluster.control.errors import ClusterUnavailableError
 from cluster.control.delta import Delta
+from cluster.control.errors import ClusterUnavailableError
 from cluster.control.timeline import RequestClock
 from cluster.serve.chat import render_chat
 from cluster.serve.errors import (

@@ -21,8 +21,15 @@ from tests.cluster.serve.conftest import SHAPES_ANSWER
 
 
 class _Service:
-    unavailable: str | None = None
-    cluster = "old"
+    def __init__(self) -> None:
+        from cluster.serve.metrics import Metrics
+
+        self.unavailable: str | None = None
+        self.cluster = "old"
+        self.metrics = Metrics(lambda: iter(()), lambda: 0)
+
+    def events(self, event: str) -> float:
+        return self.metrics.registry.get_sample_value("duet_ray_head_events_total", {"event": event}) or 0.0
 
 
 class _Server:
@@ -71,7 +78,8 @@ def test_a_lost_head_refuses_until_the_same_cluster_answers_again():
     assert seen[0] is None and seen[1] is None  # served until the first lost answer
     assert "does not answer" in seen[2] and "retry" in seen[2] and "does not answer" in seen[3]
     assert seen[4] is None and server.service.unavailable is None
-    assert watch.losses == 1 and watch.rebuilds == 0 and watch.state == UP and watch.summary()["lost_s"] is None
+    assert watch.losses == 1 and watch.rebuilds == 0 and watch.state == UP and watch.lost_at is None
+    assert server.service.events("lost") == 1 and server.service.events("rebuilt") == 0
     assert server.marks[-1] is None and server.service.cluster == "old"
 
 
@@ -89,6 +97,7 @@ def test_a_head_that_restarted_empty_gets_new_workers_and_a_failed_start_is_retr
     assert server.swapped == ["new"] and server.service.cluster == "new"
     assert any(m and "new workers are starting" in m for m in server.marks)
     assert server.service.unavailable is None and watch.state == UP and watch.losses == 1
+    assert [server.service.events(e) for e in ("lost", "rebuild_failed", "rebuilt")] == [1, 1, 1]
 
 
 def test_an_embedded_head_lost_too_long_is_restarted_by_the_rebuild():
