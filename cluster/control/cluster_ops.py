@@ -10,12 +10,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from cluster.control.ray_epoch import ray_call
 from node_common import messages
 
 if TYPE_CHECKING:
     from cluster.control.worker_pool import WorkerPool
 
 
+@ray_call
 def status(pool: WorkerPool, timeout_s: float = 5.0) -> list[dict]:
     """One dict per worker: ``worker_id, role, alive`` and the worker's own counters (prefill: ``waiting,
     running, free_blocks``, and ``prompt_tokens`` / ``cached_tokens`` of the prompts it finished; decode:
@@ -95,6 +97,7 @@ def expert_summary(router_rows: list[dict], decode_rows: list[dict] | None) -> d
     return out
 
 
+@ray_call
 def clear_vision_caches(pool: WorkerPool, timeout_s: float = 30.0) -> int:
     """Every worker forgets its cached image encodings (benchmarks); returns how many were dropped in all."""
     import ray
@@ -102,6 +105,7 @@ def clear_vision_caches(pool: WorkerPool, timeout_s: float = 30.0) -> int:
     return sum(ray.get([w.actor.clear_vision_cache.remote() for w in pool.workers()], timeout=timeout_s))
 
 
+@ray_call
 def check_no_leaks(pool: WorkerPool, timeout_s: float = 10.0) -> dict[str, int]:
     """Blocks held per live worker once idle (waits up to ``timeout_s`` for in-flight work to drain)."""
     import ray

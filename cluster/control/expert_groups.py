@@ -4,9 +4,11 @@ rendezvous, every rank joins at once) that returns its :class:`~cluster.experts.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from typing import Any
 
+from cluster.control.ray_epoch import EPOCH
 from cluster.control.spec import ClusterSpec
 from cluster.experts.expert_router import ExpertRouter, RebalancePolicy, to_slot_table
 from cluster.experts.placement import Placement, static_placement
@@ -56,4 +58,4 @@ def form_group(spec: ClusterSpec, text: TextConfig, members: list[Any], g: int, 
     policy = RebalancePolicy(interval_s=spec.expert_rebalance_s, max_moves=spec.expert_max_moves)
     per_expert = 3 * text.hidden_size * text.moe_intermediate_size * dtype_bytes
     return ExpertRouter(members, initial_placement(spec, text), bytes_per_expert=per_expert, policy=policy,
-                        name=f"ep-{g}")
+                        name=f"ep-{g}", guard=functools.partial(EPOCH.use, EPOCH.current))

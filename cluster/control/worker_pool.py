@@ -28,6 +28,7 @@ from cluster.control import expert_groups, reattach
 from cluster.control.bounded import bounded
 from cluster.control.admission import pick_decode_worker, pick_local_decode_worker
 from cluster.control.pool_healer import PoolHealer
+from cluster.control.ray_epoch import EPOCH, ray_call
 from cluster.control.router import WorkerLoad
 from cluster.control.spec import ClusterSpec, NodeShare
 from cluster.control.streams import DecodeStreams
@@ -62,6 +63,7 @@ class WorkerPool:
         self._draining: dict[str, Future] = {}  # worker id -> its drain (see drain_worker)
         self._pollers: dict[str, Future] = {}  # decode worker id -> its poller
         self._closing = False
+        self.epoch = EPOCH.current  # of this process's Ray driver (cluster.control.ray_epoch)
         self._healing: Future | None = None  # the healer's monitor (start)
         self.healer = PoolHealer(spec.heal_policy(), self)
         self.share = NodeShare.plan(spec, len([n for n in ray.nodes() if n.get("Alive")]))  # threads, local prefill
@@ -112,6 +114,7 @@ class WorkerPool:
                 + self.healer.pending(role) for role in ROLES}
 
     # ------------------------------------------------------------------------------------ resizing (autoscale)
+    @ray_call
     def add_worker(self, role: str) -> str:
         """Start one more ``role`` worker (blocks until it answers, up to 300 s) and route to it; returns its id.
         Its Ray resource request (``spec.actor_options(role)``) is what makes the Ray autoscaler add a node of the
@@ -380,6 +383,7 @@ class WorkerPool:
         for w, s in zip(workers, ray.get([w.actor.stats.remote() for w in workers], timeout=timeout), strict=True):
             w.load.free_blocks = messages.unpack(s)["free_blocks"]
 
+    @ray_call
     def _await_started(self, workers: list[Worker], *, ping: bool = True, stats: bool = True) -> None:
         """Blocking (call it on a thread): wait for ``workers`` to answer, then read each one's free blocks.
         Bounded by ``HealPolicy.start_timeout_s``."""

@@ -18,9 +18,11 @@ operators).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +68,12 @@ class GroupLoad:
 
 class ExpertRouter:
     def __init__(self, actors: list[Any], placement: Placement, *, bytes_per_expert: int,
-                 policy: RebalancePolicy | None = None, name: str = "ep-0") -> None:
+                 policy: RebalancePolicy | None = None, name: str = "ep-0",
+                 guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+        """``guard``: entered around each Ray call (the front-end's driver epoch, :mod:`cluster.control.ray_epoch`:
+        no call of a driver that is being shut down)."""
         self.actors, self.current, self.name = actors, placement, name
+        self._guard = guard
         self.bytes_per_expert, self.policy = bytes_per_expert, policy or RebalancePolicy()
         self.version = 0
         self.rounds = 0
@@ -79,8 +85,9 @@ class ExpertRouter:
     def collect(self, timeout_s: float = 30.0) -> GroupLoad:
         import ray
 
-        stats = [messages.unpack(s)["experts"] for s in
-                 ray.get([a.stats.remote() for a in self.actors], timeout=timeout_s)]
+        with self._guard():
+            stats = [messages.unpack(s)["experts"] for s in
+                     ray.get([a.stats.remote() for a in self.actors], timeout=timeout_s)]
         return GroupLoad(
             expert_load=np.sum([s["expert_load"] for s in stats], axis=0).astype(np.float64),
             hint_load=np.sum([s["hint_load"] for s in stats], axis=0).astype(np.float64),
@@ -125,7 +132,9 @@ class ExpertRouter:
         self.version += 1
         table = to_slot_table(placement, self.version)
         body = messages.pack(placement=table.to_wire())
-        for reply in ray.get([a.apply_placement.remote(body) for a in self.actors], timeout=30):
+        with self._guard():
+            replies = ray.get([a.apply_placement.remote(body) for a in self.actors], timeout=30)
+        for reply in replies:
             messages.unpack(reply)  # raises the typed error of a rank that refused
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:

@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from cluster.control.disagg import DisaggCluster
+    from cluster.control.ray_epoch import EPOCH
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="duet serve: %(levelname)s %(message)s")
     started = not ray.is_initialized()
@@ -90,8 +91,11 @@ def run(args: argparse.Namespace) -> int:
         old, holder[0] = holder[0], None
         if old is not None:  # once: a failed rebuild is tried again without it
             old.abandon()
+        if not EPOCH.end(timeout_s=30):  # a Ray call under way when the driver shuts down would crash this process
+            raise RuntimeError("Ray calls of the old cluster are still under way; the driver is not reset yet")
         ray.shutdown()
         init_ray()
+        EPOCH.begin()
         holder[0] = DisaggCluster(spec)
         return holder[0]
 

@@ -11,7 +11,8 @@
   process on the host).
 
 Ray starts the head with token authentication; the head and every driver of it run with ``RAY_AUTH_MODE=token``
-(the token in ``~/.ray/auth_token``, or ``RAY_AUTH_TOKEN``). Ray resolves a loopback node address to the host's, so
+and a token of this head's own (a file in its temp dir, ``RAY_AUTH_TOKEN_PATH``): a fresh host has no
+``~/.ray/auth_token``, and the soak never writes to the user's. Ray resolves a loopback node address to the host's, so
 the head binds as Ray decides; ``duet serve`` dials it at ``127.0.0.1``.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -72,7 +74,10 @@ class ExternalHead:
     def __init__(self, log: Path, num_cpus: int = 8) -> None:
         # a short path of its own: Ray's socket paths under it must stay within the 107-byte limit of AF_UNIX
         self.temp_dir = Path(tempfile.mkdtemp(prefix="duet-chaos-ray-"))
-        self.env = dict(AUTH_ENV)
+        token = self.temp_dir / "auth_token"
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        self.env = AUTH_ENV | {"RAY_AUTH_TOKEN_PATH": str(token)}
         self._log = log
         self._num_cpus = num_cpus
         self._pick_ports()

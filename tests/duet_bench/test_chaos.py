@@ -38,7 +38,12 @@ def test_chaos_soak_survives_ray_head_loss_and_a_serve_restart(tmp_path):
     c = SoakConfig(model_dir=str(default_model_dir()), rate=3.0, duration_s=30.0,
                    faults=("kill_head", "restart_serve"), num_faults=2, gap_s=(2.0, 3.0), hold_s=2.0, pool=6,
                    output_max=8, seed=2, log_dir=str(tmp_path))
-    raw = run_soak(c)
+    try:
+        raw = run_soak(c)
+    finally:  # on a failure, what the soak's own head and serve said (pytest shows it beside the error)
+        for log in ("head.log", "serve.log"):
+            if (tmp_path / log).exists():
+                print(f"--- {log} (tail)\n" + "\n".join((tmp_path / log).read_text().splitlines()[-60:]))
     s = summary(raw, rate=c.rate, duration_s=c.duration_s)
     print(tables(s))
     o = s["outcomes"]
