@@ -16,7 +16,11 @@ Check-then-act: the scheduler asks :meth:`can_allocate` before :meth:`allocate_p
 
 Hybrid models (GDN layers) also need a per-sequence state slot (:class:`engine.state_cache.StateSlots`, given with
 ``num_state_slots``): :meth:`can_allocate` and :meth:`append_slots` grant a sequence's first blocks only together
-with a slot, and :meth:`free` releases both, so one admission rule covers both kinds of cache.
+with a slot, and :meth:`free` releases both, so one admission rule covers both kinds of cache. Their prefix cache
+(``snapshots``, :class:`engine.state_cache.Snapshots`) also needs the GDN state after the hit's last block: a hit is
+cut back to the last block that has a snapshot; :meth:`plan_snapshots` reserves the snapshots a prompt chunk writes
+(policy: :func:`snapshot_points`), :meth:`register_computed` files them with their blocks, and evicting a block drops
+its snapshot.
 """
 
 from __future__ import annotations
@@ -26,7 +30,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
-from engine.state_cache import StateSlots
+from engine.state_cache import Snapshots, StateSlots
+
+
+def snapshot_points(seq: Sequence, start: int, end: int, block_size: int, every_blocks: int) -> list[int]:
+    """Prompt positions in ``(start, end]`` after which a hybrid model keeps the GDN state (block boundaries): the
+    end of the prompt's last block a repeat of it can hit (all full blocks but the one holding the last token), the
+    end of the last full block of each image, and every ``every_blocks`` blocks (a shared system prompt or history
+    followed by different text)."""
+    bs = block_size
+    last = (seq.num_prompt_tokens - 1) // bs * bs
+    points = {b for b in range(every_blocks * bs, last + 1, every_blocks * bs)} if every_blocks > 0 else set()
+    points.add(last)
+    if seq.mm is not None and seq.mm.positions is not None and len(seq.mm.image_hashes):
+        for i in range(len(seq.mm.image_hashes)):
+            rows = seq.mm.positions[seq.mm.image_rows(i)]
+            if len(rows):
+                points.add(min(last, (int(rows.max()) + 1) // bs * bs))
+    return sorted(b for b in points if start < b <= min(end, last) and b > 0)
 
 
 @dataclass
@@ -38,9 +59,16 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_state_slots: int = 0, on_evict: Callable[[bytes], None] | None = None) -> None:
+                 num_state_slots: int = 0, on_evict: Callable[[bytes], None] | None = None,
+                 num_snapshots: int = 0, snapshot_every_blocks: int = 0) -> None:
+        """Hybrid models: ``num_state_slots`` sequences' slots, and ``num_snapshots`` snapshot slots after them (the
+        state cache's rows ``num_state_slots ..``); without snapshots a hybrid model has no prefix cache."""
         assert num_blocks > 0 and block_size > 0
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        self.snapshots = Snapshots(num_state_slots, num_snapshots) if num_state_slots and num_snapshots else None
+        self.snapshot_every_blocks = snapshot_every_blocks
+        if num_state_slots and self.snapshots is None:
+            enable_prefix_caching = False
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -68,12 +96,18 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed
         hits: list[int] = []
+        hashes: list[bytes] = []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
-            bid = self.hash_to_block.get(seq.block_hash(i))
+            h = seq.block_hash(i)
+            bid = self.hash_to_block.get(h)
             if bid is None:
                 break
             hits.append(bid)
+            hashes.append(h)
+        if self.snapshots is not None:  # a hybrid model resumes only where the GDN state was kept
+            while hits and self.snapshots.find(hashes[len(hits) - 1]) is None:
+                hits.pop()
         return hits
 
     def can_allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
@@ -96,6 +130,39 @@ class BlockManager:
             seq.block_table.append(bid)
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
+        if hits and self.snapshots is not None:  # the runner copies it into the sequence's slot before its chunk
+            slot = self.snapshots.find(seq.block_hash(len(hits) - 1))
+            assert slot is not None, "lookup_prefix cut the hit back to a snapshot"
+            self.snapshots.pin(slot)
+            seq.state_restore = slot
+
+    def plan_snapshots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Reserve the snapshots ``seq``'s next chunk (``num_new_tokens`` from its computed tokens) writes: at
+        :func:`snapshot_points` whose block has none yet, as many as there are slots to reserve."""
+        if self.snapshots is None or not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return
+        start = seq.num_computed_tokens
+        for b in snapshot_points(seq, start, start + num_new_tokens, self.block_size, self.snapshot_every_blocks):
+            if self.snapshots.find(seq.block_hash(b // self.block_size - 1)) is not None:
+                continue
+            slot = self.snapshots.reserve()
+            if slot is None:
+                return
+            seq.snapshot_writes.append((b, slot))
+
+    def _settle_snapshots(self, seq: Sequence, *, computed: bool) -> None:
+        """File ``seq``'s planned snapshots whose block is now registered (``computed``), cancel the rest."""
+        keep = []
+        for b, slot in seq.snapshot_writes:
+            i = b // self.block_size - 1
+            h = seq.block_hash(i) if computed and b <= seq.num_computed_tokens else None
+            if h is not None and self.hash_to_block.get(h) is not None:
+                self.snapshots.file(slot, h)
+            elif computed and b > seq.num_computed_tokens:
+                keep.append((b, slot))
+            else:
+                self.snapshots.cancel(slot)
+        seq.snapshot_writes = keep
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow ``seq``'s block table to hold ``num_new_tokens`` more tokens; False (nothing changed) if the pool
@@ -145,6 +212,8 @@ class BlockManager:
         if block.hash is not None:
             if self.hash_to_block.get(block.hash) == bid:
                 del self.hash_to_block[block.hash]
+                if self.snapshots is not None:
+                    self.snapshots.drop(block.hash)
                 if self.on_evict is not None:
                     self.on_evict(block.hash)
             block.hash = None
@@ -153,8 +222,14 @@ class BlockManager:
         return True
 
     def register_computed(self, seq: Sequence) -> None:
-        """Publish the hashes of ``seq``'s blocks whose KV is now fully computed (never for approximate KV)."""
+        """Publish the hashes of ``seq``'s blocks whose KV is now fully computed (never for approximate KV), and
+        file the GDN snapshots the step wrote."""
+        if seq.state_restore is not None:  # restored by the runner before the step ran
+            self.snapshots.unpin(seq.state_restore)
+            seq.state_restore = None
         if not self.enable_prefix_caching or seq.kv_lossy:
+            if seq.snapshot_writes:
+                self._settle_snapshots(seq, computed=False)
             return
         full = seq.num_computed_tokens // self.block_size
         for i in range(seq.num_registered_blocks, full):
@@ -164,6 +239,8 @@ class BlockManager:
                 self.hash_to_block[h] = bid
                 self.blocks[bid].hash = h
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+        if seq.snapshot_writes:
+            self._settle_snapshots(seq, computed=True)
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks (tail first, so a prefix's head stays cached longest)."""
@@ -176,6 +253,11 @@ class BlockManager:
                 if block.hash is None:
                     self.unreferenced.move_to_end(bid, last=False)
         seq.block_table = []
+        if seq.state_restore is not None:
+            self.snapshots.unpin(seq.state_restore)
+            seq.state_restore = None
+        if seq.snapshot_writes:
+            self._settle_snapshots(seq, computed=False)
         if seq.state_slot is not None:
             assert self.state_slots is not None
             self.state_slots.release(seq.state_slot)
@@ -190,3 +272,5 @@ class BlockManager:
         assert len(self.unreferenced) == len(self.blocks), "unreferenced queue out of sync"
         if self.state_slots is not None:
             self.state_slots.check_no_leaks()
+        if self.snapshots is not None:
+            self.snapshots.check_no_leaks()

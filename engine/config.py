@@ -181,6 +181,13 @@ class EngineConfig:
     # hybrid models (Qwen3.5): sequences that can hold a GDN state slot at once (running, prefilling or receiving a
     # transfer); None: max_num_seqs. Its memory comes off kv_cache_memory_gb before the KV pool is sized.
     max_num_state_slots: int | None = None
+    # hybrid models' prefix cache: GDN state snapshots kept after chosen prompt blocks (engine.state_cache.Snapshots;
+    # a hit resumes from the last one). None: as many as fit in a tenth of kv_cache_memory_gb, at least 1 and at
+    # most 2 x max_num_seqs (max_num_seqs when num_kv_blocks fixes the pool); 0: no prefix cache for hybrid models.
+    # Their memory comes off kv_cache_memory_gb like the state slots'. One is kept after the prompt's last block a
+    # repeat can hit, after each image and every state_snapshot_every_blocks blocks (0: not periodically).
+    state_snapshots: int | None = None
+    state_snapshot_every_blocks: int = 16
     # CPU linear layers: "auto" times F.linear against oneDNN with a packed weight per weight shape at load and uses
     # the faster per row range; "packed" always packs, "native" never (engine.cpu_linear)
     cpu_linear: str = "auto"
@@ -199,6 +206,10 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.max_num_state_slots is not None and self.max_num_state_slots < 1:
             raise ValueError("max_num_state_slots must be >= 1 (or None)")
+        if self.state_snapshots is not None and self.state_snapshots < 0:
+            raise ValueError("state_snapshots must be >= 0 (or None)")
+        if self.state_snapshot_every_blocks < 0:
+            raise ValueError("state_snapshot_every_blocks must be >= 0")
         if self.decode_mirror_tokens is not None and self.decode_mirror_tokens < 1:
             raise ValueError("decode_mirror_tokens must be >= 1 (or None)")
         if self.cpu_linear not in ("auto", "packed", "native"):

@@ -25,6 +25,8 @@ from engine.text_config import TextConfig
 
 logger = logging.getLogger(__name__)
 
+SNAPSHOT_SHARE = 0.1  # of kv_cache_memory_gb, for hybrid models' state snapshots unless state_snapshots is set
+
 
 @dataclass(frozen=True)
 class KVMemory:
@@ -76,3 +78,18 @@ def plan_pool(c: EngineConfig, t: TextConfig, dtype: torch.dtype, num_state_slot
                            by_memory, mirror / 2**20, num_blocks, max_len,
                            (num_blocks * per_block + mirror + state - budget) / 2**20)
     return PoolPlan(min(max_len, num_blocks * c.block_size), num_blocks, budget, mirror_tokens)
+
+
+def state_snapshots(c: EngineConfig, t: TextConfig, dtype: torch.dtype) -> int:
+    """How many GDN state snapshots a hybrid model's prefix cache keeps (``EngineConfig.state_snapshots``; 0 with
+    prefix caching off): the configured number, else a tenth of ``kv_cache_memory_gb`` in snapshots (one is a
+    sequence's whole state), at least 1 and at most ``2 * max_num_seqs``; ``max_num_seqs`` when ``num_kv_blocks``
+    fixes the pool."""
+    if not c.enable_prefix_caching:
+        return 0
+    if c.state_snapshots is not None:
+        return c.state_snapshots
+    if c.num_kv_blocks is not None:
+        return c.max_num_seqs
+    fit = int(c.kv_cache_memory_gb * 2**30 * SNAPSHOT_SHARE) // max(1, t.state_bytes_per_seq(dtype))
+    return max(1, min(2 * c.max_num_seqs, fit))

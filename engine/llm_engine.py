@@ -22,7 +22,7 @@ from engine.grammar import GrammarFactory
 from engine.hooks import EngineHooks
 from engine.inputs import InputProcessor, ProcessedPrompt, image_processor_for
 from engine.isolation import describe, edit_rows, non_finite_rows
-from engine.kv_budget import KVMemory, plan_pool
+from engine.kv_budget import KVMemory, plan_pool, state_snapshots
 from engine.model import LlavaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
@@ -64,26 +64,28 @@ class LLMEngine(ReceiveMixin):
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.image_processor = image_processor_for(self.model_dir, cfg)
         self.eos_token_ids = list(cfg.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
-        # hybrid models: a cached prefix would restore KV without the GDN state, so prefix caching is off for them
+        self.num_state_slots = (config.max_num_state_slots or config.max_num_seqs) if cfg.text.is_hybrid else 0
+        # hybrid models: a prefix hit resumes from a GDN state snapshot (engine.state_cache.Snapshots)
+        self.num_snapshots = state_snapshots(config, cfg.text, self.dtype) if cfg.text.is_hybrid else 0
         self.prefix_caching_off_reason = (
-            "hybrid model: a prefix hit would restore the attention layers' KV but not the GDN layers' recurrent "
-            "state" if cfg.text.is_hybrid else None)
+            "hybrid model with state_snapshots=0: a prefix hit needs the GDN layers' state after it"
+            if cfg.text.is_hybrid and config.enable_prefix_caching and not self.num_snapshots else None)
         if self.prefix_caching_off_reason and config.enable_prefix_caching:
             logger.info("prefix caching off: %s", self.prefix_caching_off_reason)
-        self.num_state_slots = (config.max_num_state_slots or config.max_num_seqs) if cfg.text.is_hybrid else 0
-        pool = plan_pool(config, cfg.text, self.dtype, self.num_state_slots)
+        pool = plan_pool(config, cfg.text, self.dtype, self.num_state_slots + self.num_snapshots)
         self.max_model_len = max_len = pool.max_model_len
         self.kv_budget_bytes, num_blocks = pool.budget_bytes, pool.num_blocks
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching and not cfg.text.is_hybrid,
-                                          num_state_slots=self.num_state_slots, on_evict=hooks.on_evict)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          num_state_slots=self.num_state_slots, on_evict=hooks.on_evict,
+                                          num_snapshots=self.num_snapshots,
+                                          snapshot_every_blocks=config.state_snapshot_every_blocks)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    policy=config.scheduling_policy, max_wait_s=config.scheduling_max_wait_s)
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   max_model_len=max_len, max_num_seqs=config.max_num_seqs, dtype=self.dtype,
                                   device=self.device, vision_cache_size=config.vision_cache_size,
-                                  mirror_tokens=pool.mirror_tokens, num_state_slots=self.num_state_slots,
+                                  mirror_tokens=pool.mirror_tokens, num_state_slots=self.num_state_slots + self.num_snapshots,
                                   track_routing=hooks.track_routing, query_window=hooks.query_window)
         self.encoding = VisionStage(self.runner, config.vision_slice_s)  # prompts whose images are being encoded
         self.inputs = InputProcessor(cfg, self.tokenizer, self.image_processor, max_len)

@@ -238,9 +238,14 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev), prefills=spans,
                                  num_prefill_tokens=num_prefill, decode=decode, query_window=self.query_window)
         if self.state is not None:
+            for s in order:  # a hybrid prefix hit resumes from the GDN state kept after its last block (its one
+                if s.seq.state_restore is not None:  # token left may run as a decode row)
+                    self.copy_state(s.seq.state_restore, s.seq.state_slot)
+            snaps = [[(b - s.seq.num_computed_tokens, slot) for b, slot in s.seq.snapshot_writes]
+                     for s in sched.prefills]
             meta.state = StateStep([s.seq.state_slot for s in sched.prefills], torch.tensor(
                 [s.seq.state_slot for s in order[len(sched.prefills):]], dtype=torch.long, device=dev)
-                if sched.decodes else None)
+                if sched.decodes else None, snaps if any(snaps) else None)
         if self.query_window:
             self.captured_queries = meta.captured = {}
         mm = None

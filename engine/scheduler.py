@@ -100,6 +100,8 @@ class Scheduler:
                     break
             else:
                 chosen.append(ScheduledSeq(seq, n))
+                if seq.num_computed_tokens < seq.num_prompt_tokens:
+                    self.bm.plan_snapshots(seq, n)
                 budget -= n
                 i += 1
         shortest = self.policy == "shortest"
@@ -127,6 +129,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen.append(ScheduledSeq(seq, n))
+            self.bm.plan_snapshots(seq, n)
             budget -= n
         # A one-token chunk in the middle of a prompt (budget nearly spent) is a prefill: it must not sample.
         decodes = [s for s in chosen if s.is_decode]

@@ -117,6 +117,10 @@ class Sequence:
     kv_lossy: bool = False  # its prompt KV arrived compressed: approximate, never published to the prefix cache
     kv_dropped: dict[int, torch.Tensor] | None = None  # layer -> prompt positions dropped on the wire (decode side)
     state_slot: int | None = None  # hybrid models: the GDN state slot it holds (engine.state_cache), with its blocks
+    # hybrid prefix caching (engine.state_cache.Snapshots): the snapshot its prefix hit restores before its next
+    # chunk runs, and the snapshots its next chunk writes, as (prompt position, snapshot slot)
+    state_restore: int | None = None
+    snapshot_writes: list[tuple[int, int]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
     logprobs: list[TokenLogprobs] | None = None  # per output token, when params.logprobs is set
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first), when asked

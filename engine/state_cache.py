@@ -13,6 +13,7 @@ state, never from what the slot held before, so slots are not cleared on release
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -57,10 +58,13 @@ class LayerState:
 @dataclass
 class StateStep:
     """Which slot each sequence of a step reads and writes: one per prefill span (in ``AttentionMetadata.prefills``
-    order) and one per decode row (in decode-row order)."""
+    order) and one per decode row (in decode-row order). ``prefill_snapshots``: per prefill span, ``(offset,
+    snapshot slot)`` pairs in offset order: the state after the span's first ``offset`` tokens is also written to
+    that slot (:class:`Snapshots`); None: no span writes one."""
 
     prefill_slots: list[int]
     decode_slots: torch.Tensor | None  # [B] long
+    prefill_snapshots: list[list[tuple[int, int]]] | None = None
 
 
 class StateCache:
@@ -86,3 +90,83 @@ class StateCache:
         s = self.layers[layer]
         s.conv[slot].copy_(conv.to(device=s.conv.device, dtype=s.conv.dtype))
         s.recurrent[slot].copy_(recurrent.to(device=s.recurrent.device, dtype=torch.float32))
+
+
+class Snapshots:
+    """GDN state snapshots for a hybrid model's prefix cache: state slots ``first .. first + num - 1`` of the
+    :class:`StateCache` (beside the sequences' own), each holding every GDN layer's conv window and recurrent state
+    as they stood after some prompt block, filed under that block's hash (which chains the whole prefix before it).
+
+    A prefix hit of a hybrid model ends on a block that has a snapshot: the hit's KV blocks are shared as usual and the
+    snapshot is copied into the sequence's own slot before its remaining tokens run. A slot is **reserved** when a
+    step is planned to write it (:meth:`reserve`), **filed** once that step computed the block (:meth:`file`) and
+    **dropped** with its block (:meth:`drop`, when the block is evicted) or, least recently used first, when a new
+    snapshot needs room. A slot a planned restore or write refers to is pinned and never taken.
+    """
+
+    def __init__(self, first: int, num: int) -> None:
+        assert num > 0
+        self.first, self.num = first, num
+        self._free = list(range(first + num - 1, first - 1, -1))
+        self._filed: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, least recently used first
+        self._pins: dict[int, int] = {}  # slot -> planned restores / writes that refer to it
+
+    @property
+    def num_filed(self) -> int:
+        return len(self._filed)
+
+    def find(self, block_hash: bytes) -> int | None:
+        """The slot of the snapshot after block ``block_hash`` (marked recently used), or None."""
+        slot = self._filed.get(block_hash)
+        if slot is not None:
+            self._filed.move_to_end(block_hash)
+        return slot
+
+    def pin(self, slot: int) -> None:
+        self._pins[slot] = self._pins.get(slot, 0) + 1
+
+    def unpin(self, slot: int) -> None:
+        n = self._pins[slot] - 1
+        if n:
+            self._pins[slot] = n
+        else:
+            del self._pins[slot]
+
+    def reserve(self) -> int | None:
+        """A slot for a snapshot a step will write (pinned): a free one, else the least recently used unpinned filed
+        one (dropped). None when every slot is pinned."""
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = next((h for h, s in self._filed.items() if s not in self._pins), None)
+            if victim is None:
+                return None
+            slot = self._filed.pop(victim)
+        self.pin(slot)
+        return slot
+
+    def file(self, slot: int, block_hash: bytes) -> None:
+        """The reserved ``slot`` now holds the state after block ``block_hash``: file it (unpinned). When that block
+        already has a snapshot, the slot goes back to the free list."""
+        self.unpin(slot)
+        if block_hash in self._filed:
+            self._free.append(slot)
+        else:
+            self._filed[block_hash] = slot
+
+    def cancel(self, slot: int) -> None:
+        """A reserved slot that was not written (its sequence was freed, its block not registered)."""
+        self.unpin(slot)
+        self._free.append(slot)
+
+    def drop(self, block_hash: bytes) -> None:
+        """Its block was evicted: the snapshot after it can no longer be a hit (never a pinned one: a planned restore
+        holds references on its blocks)."""
+        slot = self._filed.pop(block_hash, None)
+        if slot is not None:
+            assert slot not in self._pins, "a pinned snapshot's block was evicted"
+            self._free.append(slot)
+
+    def check_no_leaks(self) -> None:
+        assert not self._pins, f"{len(self._pins)} snapshot slot(s) still pinned"
+        assert len(self._free) + len(self._filed) == self.num, "snapshot slots out of sync"

@@ -3,8 +3,8 @@
 Greedy tokens identical and every step's logits within 1e-4 (float32): one image, two images of different sizes,
 text only, a prompt several prefill chunks long (chunk boundaries inside an image and off the GDN's 64-token chunk
 grid, the state carried across chunks), a batch of mixed requests, both key layouts, the dense family. The hybrid
-cache: a request gets its KV blocks and its state slot together or waits; preemption and abort free both; prefix
-caching is off (a hit would restore KV without the GDN state); memory is reported per kind.
+cache: a request gets its KV blocks and its state slot together or waits; preemption and abort free both; memory is
+reported per kind (prefix caching with state snapshots: tests/engine/test_qwen35_prefix.py).
 """
 
 from __future__ import annotations
@@ -157,15 +157,16 @@ def test_abort_mid_prefill_frees_blocks_and_state(ckpt):
     assert_no_leaked_blocks(llm)
 
 
-def test_prefix_caching_is_off_and_memory_is_reported_per_kind(ckpt):
+def test_memory_is_reported_per_kind(ckpt):
     llm = LLM(ckpt, **ENGINE)
     engine = llm.engine
-    assert "GDN" in engine.prefix_caching_off_reason and not engine.block_manager.enable_prefix_caching
+    assert engine.prefix_caching_off_reason is None and engine.block_manager.enable_prefix_caching
     ids = build_prompt([], ckpt, text=20)
     first, second = llm.generate([request(ids, [])], greedy(2)), llm.generate([request(ids, [])], greedy(2))
-    assert second[0].num_cached_tokens == 0 and first[0].outputs[0].token_ids == second[0].outputs[0].token_ids
+    assert second[0].num_cached_tokens > 0 and first[0].outputs[0].token_ids == second[0].outputs[0].token_ids
     mem, t = engine.kv_memory(), engine.model_config.text
-    assert mem.state_bytes == engine.num_state_slots * t.state_bytes_per_seq(torch.float32) > 0
+    assert engine.num_snapshots == ENGINE["max_num_seqs"]  # num_kv_blocks fixes the pool: one per sequence
+    assert mem.state_bytes == (engine.num_state_slots + engine.num_snapshots) * t.state_bytes_per_seq(torch.float32)
     assert mem.pool_bytes == 96 * 4 * t.kv_bytes_per_token(torch.float32)
     assert mem.total_bytes == mem.pool_bytes + mem.mirror_bytes + mem.state_bytes
 

@@ -114,15 +114,23 @@ class GatedDeltaNet(nn.Module):
         core = x.new_empty(t, g.num_v_heads, g.v_head_dim)
         step = meta.state
         assert step is not None, "a hybrid model's step needs AttentionMetadata.state"
-        for span, slot in zip(meta.prefills, step.prefill_slots, strict=True):
-            s, e = span.start, span.start + span.length
+        for i, (span, slot) in enumerate(zip(meta.prefills, step.prefill_slots, strict=True)):
             fresh = span.context_len == span.length
             window = torch.zeros_like(st.conv[slot]) if fresh else st.conv[slot]
-            y, st.conv[slot] = causal_conv(mixed[s:e], window, weight)
-            q, k, v = self._split(y)
-            o, st.recurrent[slot] = chunked_delta_rule(q, k, v, decay[s:e], beta[s:e],
-                                                       None if fresh else st.recurrent[slot])
-            core[s:e] = o.to(core.dtype)
+            state = None if fresh else st.recurrent[slot]
+            cuts = step.prefill_snapshots[i] if step.prefill_snapshots else []
+            done = 0  # the span runs in pieces that end where a snapshot of the state is kept (a prefix cache's)
+            for end, snap in [*cuts, (span.length, None)]:
+                if end > done:
+                    s, e = span.start + done, span.start + end
+                    y, window = causal_conv(mixed[s:e], window, weight)
+                    q, k, v = self._split(y)
+                    o, state = chunked_delta_rule(q, k, v, decay[s:e], beta[s:e], state)
+                    core[s:e] = o.to(core.dtype)
+                    done = end
+                if snap is not None:
+                    st.conv[snap], st.recurrent[snap] = window, state
+            st.conv[slot], st.recurrent[slot] = window, state
         p = meta.num_prefill_tokens
         if step.decode_slots is not None and p < t:
             slots = step.decode_slots
