@@ -12,8 +12,8 @@ decode cluster per transport, with the KV and state bytes the decode side receiv
 exposed after prefill's last layer.
 
 Rounds alternate which side goes first; the table quotes medians over ``--repeat`` rounds (the machine may be
-shared: the load average is recorded). Fresh random ids and pixels every round (prefix caching is off for hybrid
-models anyway). ``--quick``: tiny sizes for tests, not for figures.
+shared: the load average is recorded). Fresh random ids and pixels every round (nothing comes from the prefix
+cache: ``duet bench prefix`` measures hits). ``--quick``: tiny sizes for tests, not for figures.
 """
 
 from __future__ import annotations

@@ -60,12 +60,14 @@ class Block:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_state_slots: int = 0, on_evict: Callable[[bytes], None] | None = None,
-                 num_snapshots: int = 0, snapshot_every_blocks: int = 0) -> None:
+                 num_snapshots: int = 0, snapshot_every_blocks: int = 0,
+                 on_snapshot_drop: Callable[[bytes], None] | None = None) -> None:
         """Hybrid models: ``num_state_slots`` sequences' slots, and ``num_snapshots`` snapshot slots after them (the
         state cache's rows ``num_state_slots ..``); without snapshots a hybrid model has no prefix cache."""
         assert num_blocks > 0 and block_size > 0
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
-        self.snapshots = Snapshots(num_state_slots, num_snapshots) if num_state_slots and num_snapshots else None
+        self.snapshots = (Snapshots(num_state_slots, num_snapshots, on_snapshot_drop)
+                          if num_state_slots and num_snapshots else None)
         self.snapshot_every_blocks = snapshot_every_blocks
         if num_state_slots and self.snapshots is None:
             enable_prefix_caching = False

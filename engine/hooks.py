@@ -44,6 +44,9 @@ class EngineHooks:
       each cached block it evicts to reuse for new KV, while blocks are allocated (scheduling in ``step``, or
       ``preallocate`` / forking on the decode side): a prefix cache's owner may tell others what it no longer holds
       (the prefill worker tells the front-end's router). None: nobody is told.
+    * ``on_snapshot_drop(hash)`` -- hybrid models: called with the block hash whose GDN state snapshot the prefix
+      cache dropped (its block evicted, or the least recently used snapshot giving way to a new one): a prefix hit no
+      longer ends there (the prefill worker tells the front-end's router). None: nobody is told.
     * ``request_fault(stage, seq)`` -- fault injection (tests, fault drills): called for each sequence at each
       per-request stage of a step (:data:`engine.isolation.STAGES`: ``"logits"``, ``"sample"``, ``"append"``,
       ``"output"``; a prefill worker's exporter adds ``"export"``); what it raises is that request's fault, which
@@ -55,6 +58,7 @@ class EngineHooks:
     track_routing: bool = False
     query_window: int = 0
     on_evict: EvictHook | None = None
+    on_snapshot_drop: EvictHook | None = None
     request_fault: FaultHook | None = None
 
     def __post_init__(self) -> None:

@@ -78,7 +78,8 @@ class LLMEngine(ReceiveMixin):
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           num_state_slots=self.num_state_slots, on_evict=hooks.on_evict,
                                           num_snapshots=self.num_snapshots,
-                                          snapshot_every_blocks=config.state_snapshot_every_blocks)
+                                          snapshot_every_blocks=config.state_snapshot_every_blocks,
+                                          on_snapshot_drop=hooks.on_snapshot_drop)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    policy=config.scheduling_policy, max_wait_s=config.scheduling_max_wait_s)

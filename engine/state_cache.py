@@ -14,6 +14,7 @@ state, never from what the slot held before, so slots are not cleared on release
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,8 +105,10 @@ class Snapshots:
     snapshot needs room. A slot a planned restore or write refers to is pinned and never taken.
     """
 
-    def __init__(self, first: int, num: int) -> None:
+    def __init__(self, first: int, num: int, on_drop: Callable[[bytes], None] | None = None) -> None:
+        """``on_drop(hash)``: told of each snapshot dropped (a hit no longer ends after that block)."""
         assert num > 0
+        self.on_drop = on_drop
         self.first, self.num = first, num
         self._free = list(range(first + num - 1, first - 1, -1))
         self._filed: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, least recently used first
@@ -121,6 +124,10 @@ class Snapshots:
         if slot is not None:
             self._filed.move_to_end(block_hash)
         return slot
+
+    def holds(self, block_hash: bytes) -> bool:
+        """Whether a snapshot after block ``block_hash`` is kept (not marked used)."""
+        return block_hash in self._filed
 
     def pin(self, slot: int) -> None:
         self._pins[slot] = self._pins.get(slot, 0) + 1
@@ -142,6 +149,8 @@ class Snapshots:
             if victim is None:
                 return None
             slot = self._filed.pop(victim)
+            if self.on_drop is not None:
+                self.on_drop(victim)
         self.pin(slot)
         return slot
 
@@ -166,6 +175,8 @@ class Snapshots:
         if slot is not None:
             assert slot not in self._pins, "a pinned snapshot's block was evicted"
             self._free.append(slot)
+            if self.on_drop is not None:
+                self.on_drop(block_hash)
 
     def check_no_leaks(self) -> None:
         assert not self._pins, f"{len(self._pins)} snapshot slot(s) still pinned"

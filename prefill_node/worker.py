@@ -69,7 +69,8 @@ class PrefillWorker:
             fork_choices=False,  # n > 1: the choices' first tokens go in the hand-off, decode forks them
             track_routing=True,  # routing hints for the decode side's experts; a dense model has none to track
             query_window=QUERY_WINDOW if self._score else 0,
-            on_evict=self.prefix_feed.evicted))
+            on_evict=self.prefix_feed.evicted, on_snapshot_drop=self.prefix_feed.ends_dropped))
+        self.prefix_feed.hybrid = self.engine.block_manager.snapshots is not None
         self.prompt_tokens = 0  # prompts finished here, and their tokens found in the prefix cache (hit rate)
         self.cached_tokens = 0
 
@@ -159,8 +160,12 @@ class PrefillWorker:
         just registered (the same :meth:`Sequence.block_hash` the front-end computes from the processed prompt)."""
         self.prompt_tokens += seq.num_prompt_tokens
         self.cached_tokens += seq.num_cached_tokens
-        if self.engine.block_manager.enable_prefix_caching:  # off for hybrid models, whatever the config says
-            self.prefix_feed.registered(seq.block_hash(i) for i in range(seq.num_prompt_tokens // seq.block_size))
+        bm = self.engine.block_manager
+        if bm.enable_prefix_caching:
+            hashes = [seq.block_hash(i) for i in range(seq.num_prompt_tokens // seq.block_size)]
+            self.prefix_feed.registered(hashes)
+            if bm.snapshots is not None:  # a hybrid model's hit ends only where the GDN state was kept
+                self.prefix_feed.ends_registered(h for h in hashes if bm.snapshots.holds(h))
 
     def _export(self, layer: int, seqs: list[Sequence]) -> None:
         last = layer == self.engine.model_config.text.num_layers - 1

@@ -26,6 +26,7 @@ BENCH_COMMANDS = {
     "serve": "duet_bench.serve_bench:run",
     "chaos": "duet_bench.chaos:run",
     "structured": "duet_bench.structured_bench:run",
+    "prefix": "duet_bench.prefix_bench:run",
 }
 
 
@@ -71,3 +72,6 @@ def add_bench_arguments(b: argparse.ArgumentParser, *, load: bool = True) -> Non
     from duet_bench.structured_bench import add_arguments as add_structured_arguments
 
     add_structured_arguments(bsub.add_parser("structured", help="structured outputs' per-token cost vs free generation"))
+    from duet_bench.prefix_bench import add_arguments as add_prefix_arguments
+
+    add_prefix_arguments(bsub.add_parser("prefix", help="Qwen3.5 prefix hit (GDN state snapshots) vs a cold prefill"))

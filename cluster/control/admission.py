@@ -37,6 +37,7 @@ from cluster.control.bounded import bounded
 from cluster.control.errors import PrefillOverloadedError, RequestTimeoutError, TransferFailedError
 from cluster.control.router import (
     PrefillLoad,
+    PrefixIndex,
     cached_prefix_tokens,
     pick_decode,
     pick_prefill,
@@ -196,7 +197,7 @@ class PrefillAdmission:
         (``unmeasured_s_per_token``: see :meth:`cap`). With a vision stage on the workers (:attr:`text_lane`), a
         prompt without images has room beside the image prompts admitted there: it passes them in the worker's
         vision stage, so only the text prompts ahead count against its cap."""
-        cached = cached_prefix_tokens(w.prefix, hashes, self.block_size)
+        cached = cached_prefix_tokens(w.prefix, hashes, self.block_size, w.prefix_ends)
         held = self.queued_ahead(w, images)
         room = not held or held + n_prompt - cached <= self.cap(w, unmeasured_s_per_token)
         return PrefillLoad(w.worker_id, w.prefill_tokens, w.s_per_token, cached, room)
@@ -239,6 +240,10 @@ def apply_prefix_report(w: Worker, report: dict) -> int:
     """Fold a prefill worker's prefix report (``prefix_seq, registered, evicted``: a submit reply or a ``report``
     reply) into its index; returns the report's number."""
     w.prefix.update(report["prefix_seq"], report["registered"], report["evicted"])
+    if "ends_registered" in report:  # a hybrid model's worker: where its hits can end
+        if w.prefix_ends is None:
+            w.prefix_ends = PrefixIndex()
+        w.prefix_ends.update(report["prefix_seq"], report["ends_registered"], report["ends_dropped"])
     return report["prefix_seq"]
 
 

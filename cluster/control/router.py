@@ -110,13 +110,19 @@ def projected_wait_ttft_s(loads: Sequence[PrefillLoad], prompt_tokens: int, wait
     return (ahead + own) / sum(1 / s for s in placement_speeds(loads))
 
 
-def cached_prefix_tokens(held: PrefixIndex, block_hashes: Sequence[bytes], block_size: int) -> int:
-    """Tokens in the longest run of leading ``block_hashes`` that ``held`` has (the prefix a worker would reuse)."""
+def cached_prefix_tokens(held: PrefixIndex, block_hashes: Sequence[bytes], block_size: int,
+                         ends: PrefixIndex | None = None) -> int:
+    """Tokens in the longest run of leading ``block_hashes`` that ``held`` has (the prefix a worker would reuse); a
+    hybrid model's worker (``ends``: the hashes it keeps a GDN state snapshot after) reuses only up to the last block
+    of that run with a snapshot."""
     n = 0
     for h in block_hashes:
         if h not in held:
             break
         n += 1
+    if ends is not None:
+        while n and block_hashes[n - 1] not in ends:
+            n -= 1
     return n * block_size
 
 

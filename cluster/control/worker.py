@@ -48,6 +48,8 @@ class Worker:
     image_tokens: int = 0  # prefill workers: the part of prefill_tokens charged for prompts with images
     s_per_token: float | None = None  # prefill workers: measured seconds from submit to first token per token queued
     prefix: PrefixIndex = field(default_factory=PrefixIndex)  # prefill workers: block hashes its cache holds
+    # hybrid models' prefill workers: the block hashes a hit can end at (a GDN state snapshot kept after them)
+    prefix_ends: PrefixIndex | None = None
     placed_tokens: int = 0  # prefill workers: prompt tokens placed here, and those predicted cached (hit rate)
     predicted_cached_tokens: int = 0
     # decode workers: prompt tokens of the requests it prefills itself (ClusterSpec.local_prefill_tokens) that have
@@ -150,6 +152,8 @@ class Assignment:
         self.prefill.observe_speed(time.monotonic() - at, queued)
         self._release()
         self.prefill.prefix.add_predicted(self.hashes, seq)  # registered (the next report confirms)
+        if self.prefill.prefix_ends is not None and self.hashes:  # a snapshot after the last block a repeat hits
+            self.prefill.prefix_ends.add_predicted(self.hashes[-1:], seq)
 
     def prefill_gone(self) -> str | None:
         """Why the request cannot get its first token any more (its prefill worker is dead and has not handed the

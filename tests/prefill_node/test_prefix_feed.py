@@ -40,3 +40,30 @@ def test_the_block_manager_reports_each_evicted_cached_block():
     assert bm.append_slots(other, 4)  # reuses the least recently used cached block: the tail's (freed tail first)
     assert feed.take()["evicted"] == [cached[1]]
     assert len(bm.lookup_prefix(Sequence(2, "c", list(range(9)), 9, SamplingParams(), 4))) == 1  # the head stays
+
+
+def test_a_hybrid_workers_feed_reports_where_hits_end():
+    """A hybrid model's worker also says which blocks it keeps a GDN state snapshot after (a hit ends only there),
+    and which snapshots its block manager dropped (least recently used, or with their block)."""
+    feed = PrefixFeed()
+    feed.registered([b"a"])
+    assert "ends_registered" not in feed.take()  # not hybrid: the report is as before
+    feed.hybrid = True
+    feed.registered([b"a", b"b", b"c"])
+    feed.ends_registered([b"c"])
+    feed.ends_dropped(b"x")
+    assert feed.take() == {"prefix_seq": 2, "registered": [b"a", b"b", b"c"], "evicted": [],
+                           "ends_registered": [b"c"], "ends_dropped": [b"x"]}
+
+    bm = BlockManager(4, 2, num_state_slots=1, num_snapshots=1, on_snapshot_drop=feed.ends_dropped,
+                      on_evict=feed.evicted)
+    seqs = [Sequence(i, str(i), [10 * i, 10 * i + 1, 10 * i + 2], 3, SamplingParams(), 2) for i in range(2)]
+    for seq in seqs:  # one snapshot slot: the second prompt's snapshot takes it from the first's
+        bm.allocate_prefix(seq, bm.lookup_prefix(seq))
+        assert bm.append_slots(seq, 3)
+        bm.plan_snapshots(seq, 3)
+        seq.num_computed_tokens = 3
+        bm.register_computed(seq)
+        bm.free(seq)
+    assert bm.snapshots.holds(seqs[1].block_hash(0)) and not bm.snapshots.holds(seqs[0].block_hash(0))
+    assert feed.take()["ends_dropped"] == [seqs[0].block_hash(0)]

@@ -1,7 +1,7 @@
 """Qwen3.5-MoE on Ray actors: prefill and decode workers linked over gloo and gRPC hand each request's GDN state
 over beside its KV. Greedy tokens equal the local engine's; ``kv_transfer`` reports KV bytes and state bytes apart; a
-corrupted state frame fails the first attempt with ChecksumMismatch and the retry is exact; status says why prefix
-caching is off; a decode worker killed while state frames are in flight costs one retry; no block or state slot is
+corrupted state frame fails the first attempt with ChecksumMismatch and the retry is exact; a repeated prompt hits the
+prefill worker's prefix cache (KV and GDN state snapshot) and the router predicts it; a decode worker killed while state frames are in flight costs one retry; no block or state slot is
 left on any worker."""
 
 from __future__ import annotations
@@ -39,25 +39,34 @@ def reference(ckpt, prompts) -> list[list[int]]:
 
 @pytest.mark.parametrize("transport", TRANSPORTS, ids=TRANSPORTS)
 def test_cluster_matches_local_and_reports_state_bytes_apart(ray_cluster, ckpt, prompts, reference, transport):
+    """Each prompt twice: the second time the prefill worker's prefix cache restores its KV and GDN state snapshot
+    (cached tokens reported by the worker and predicted by the front-end's router) and the decode side still gets
+    every KV block and the final state: the same tokens."""
     import ray
 
     from node_common import messages
 
     c = DisaggCluster(_spec(ckpt, transport=transport))
     try:
-        got = c.generate_batch(prompts, greedy(8))
-        assert [g.token_ids for g in got] == reference and all(g.attempts == 1 for g in got)
         t = LLM(ckpt, **CFG).engine.model_config.text
         state = t.state_bytes_per_seq(torch.float32)
-        for g, p in zip(got, prompts, strict=True):
-            kv = g.kv_transfer
-            assert kv["layers"] == 1 and kv["state_frames"] == 3 and kv["state_bytes"] == state
-            blocks = -(-len(p["prompt_token_ids"]) // 4)
-            assert kv["bytes"] == blocks * 4 * t.kv_bytes_per_token(torch.float32)
-        rows = c.status()
-        prefill = [r for r in rows if r["role"] == "prefill"]
-        assert all("GDN" in r["prefix_cache_off"] for r in prefill)
-        assert c.prefix_summary(rows)["off_reason"] and c.kv_memory_summary(rows)["state_bytes"] > 0
+        for rnd in range(2):
+            got = c.generate_batch(prompts, greedy(8))
+            assert [g.token_ids for g in got] == reference and all(g.attempts == 1 for g in got)
+            for g, p in zip(got, prompts, strict=True):
+                kv = g.kv_transfer
+                assert kv["layers"] == 1 and kv["state_frames"] == 3 and kv["state_bytes"] == state
+                blocks = -(-len(p["prompt_token_ids"]) // 4)
+                assert kv["bytes"] == blocks * 4 * t.kv_bytes_per_token(torch.float32)
+            rows = c.status()
+            summary = c.prefix_summary(rows)
+            hittable = sum((len(p["prompt_token_ids"]) - 1) // 4 * 4 for p in prompts)
+            assert summary["cached_tokens"] == (hittable if rnd else 0), summary
+        assert summary["off_reason"] is None and summary["hit_rate"] > 0.4
+        assert summary["predicted_cached_tokens"] == hittable  # the router knew where the hits end
+        ends = c.prefills[0].prefix_ends  # the worker's reports say after which blocks it keeps a GDN snapshot
+        assert ends is not None and len(ends) >= len(prompts)
+        assert c.kv_memory_summary(rows)["state_bytes"] > 0
         stats = messages.unpack(ray.get(c.decodes[0].actor.stats.remote()))
         assert stats["kv_state_bytes"] > 0
         _assert_idle(c)

@@ -118,3 +118,16 @@ def test_prefix_index_memory_is_bounded_under_churn():
         idx.update(seq, [seq.to_bytes(4, "big")], [(seq - 1).to_bytes(4, "big"), (seq + 10_000).to_bytes(4, "big")])
     assert len(idx) <= 16 and len(idx._evicted) <= 16
     assert (199).to_bytes(4, "big") in idx and (198).to_bytes(4, "big") not in idx
+
+
+def test_a_hybrid_workers_hit_ends_at_its_last_snapshot():
+    """Hybrid models: the run of held blocks is cut back to the last block with a GDN state snapshot (``ends``); no
+    snapshot in the run, no hit."""
+    idx, ends = PrefixIndex(), PrefixIndex()
+    idx.update(1, [b"h0", b"h1", b"h2", b"h3"], [])
+    ends.update(1, [b"h1", b"h3"], [])
+    assert cached_prefix_tokens(idx, [b"h0", b"h1", b"h2", b"h3"], 4, ends) == 16
+    assert cached_prefix_tokens(idx, [b"h0", b"h1", b"h2", b"y"], 4, ends) == 8  # h2 has none: back to h1
+    ends.update(2, [], [b"h1"])
+    assert cached_prefix_tokens(idx, [b"h0", b"h1", b"h2", b"y"], 4, ends) == 0
+    assert cached_prefix_tokens(idx, [b"h0", b"h1", b"h2", b"y"], 4) == 12  # without ends: every held block

@@ -1,11 +1,12 @@
-"""ClusterStatus (gRPC) of a hybrid model: GDN state bytes per worker and in total, and why prefix caching is off."""
+"""ClusterStatus (gRPC) of a hybrid model: GDN state bytes per worker and in total, its prefix cache's hit rate, and
+why prefix caching is off when it is (``state_snapshots=0``)."""
 
 from __future__ import annotations
 
 from cluster.control import cluster_ops
 from cluster.serve.grpc_api import status_to_proto
 
-REASON = "hybrid model: a prefix hit would restore the attention layers' KV but not the GDN layers' recurrent state"
+REASON = "hybrid model with state_snapshots=0: a prefix hit needs the GDN layers' state after it"
 
 
 def _status(rows: list[dict]) -> dict:
@@ -26,3 +27,11 @@ def test_cluster_status_reports_state_bytes_and_the_prefix_cache_reason():
     assert st.prefix_cache_off_reason == REASON and st.prefix_hit_rate == 0.0
     assert [w.kv_state_bytes for w in st.workers] == [7, 9] and st.workers[0].prefix_cache_off == REASON
     assert st.workers[1].prefix_cache_off == ""
+
+
+def test_cluster_status_reports_a_hybrid_prefix_caches_hits():
+    rows = [{"worker_id": "prefill-0", "role": "prefill", "alive": True, "kv_pool_bytes": 100, "kv_mirror_bytes": 0,
+             "kv_state_bytes": 7, "prefix_cache_off": None, "prompt_tokens": 40, "cached_tokens": 30}]
+    st = status_to_proto(_status(rows))
+    assert st.prefix_cache_off_reason == "" and st.workers[0].prefix_cache_off == ""
+    assert abs(st.prefix_hit_rate - 0.75) < 1e-6
