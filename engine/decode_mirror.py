@@ -128,6 +128,12 @@ class DecodeKVMirror:
         return slot
 
     @torch.inference_mode()
+    def ensure_length(self, next_len: int) -> None:
+        """Room for ``next_len`` tokens in every slot held (what :meth:`assign` does for a sequence it already
+        placed, once for a whole step's batch)."""
+        self._ensure(len(self.seq_in_slot), next_len)
+
+    @torch.inference_mode()
     def release(self, seq_id: int) -> None:
         slot = self.slot_of.pop(seq_id, None)
         if slot is None:

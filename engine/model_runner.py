@@ -198,12 +198,18 @@ class ModelRunner:
         decode = None
         order = list(sched.prefills)
         if sched.decodes:
-            for s in sched.decodes:
+            placed, longest = self.mirror.slot_of, 0
+            for s in sched.decodes:  # a sequence already placed only needs room for its next token: once below
                 c = s.seq.num_computed_tokens
-                self.mirror.assign(s.seq.seq_id, c, self.pool, s.seq.block_table, c + 1, s.seq.kv_dropped)
+                if s.seq.seq_id in placed:
+                    longest = max(longest, c + 1)
+                else:
+                    self.mirror.assign(s.seq.seq_id, c, self.pool, s.seq.block_table, c + 1, s.seq.kv_dropped)
+            if longest:
+                self.mirror.ensure_length(longest)
             decodes = sorted(sched.decodes, key=lambda s: self.mirror.slot_of[s.seq.seq_id])
             order += decodes
-            b = len(decodes)
+            b, bs = len(decodes), self.block_size
             lens = np.empty(b, dtype=np.int64)
             slot_ids = np.empty(b, dtype=np.int64)
             for j, s in enumerate(decodes):
@@ -212,7 +218,7 @@ class ModelRunner:
                 ids.append(seq.token_ids[c])
                 lens[j] = c + 1
                 slot_ids[j] = self.mirror.slot_of[seq.seq_id]
-                slots.append(self._slots(seq, c, 1))
+                slots.append(np.array([seq.block_table[c // bs] * bs + c % bs], dtype=np.int64))
                 logit_rows.append(num_prefill + j)
                 if seq.mm is not None and c < seq.num_prompt_tokens:
                     r = int(np.searchsorted(seq.mm.positions, c))
