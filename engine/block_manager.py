@@ -153,18 +153,15 @@ class BlockManager:
             seq.snapshot_writes.append((b, slot))
 
     def _settle_snapshots(self, seq: Sequence, *, computed: bool) -> None:
-        """File ``seq``'s planned snapshots whose block is now registered (``computed``), cancel the rest."""
-        keep = []
+        """File ``seq``'s planned snapshots whose block is now registered (``computed``: the step that wrote them
+        ran; each lies within it), cancel the rest."""
         for b, slot in seq.snapshot_writes:
-            i = b // self.block_size - 1
-            h = seq.block_hash(i) if computed and b <= seq.num_computed_tokens else None
-            if h is not None and self.hash_to_block.get(h) is not None:
+            h = seq.block_hash(b // self.block_size - 1) if computed else None
+            if h is not None and h in self.hash_to_block:
                 self.snapshots.file(slot, h)
-            elif computed and b > seq.num_computed_tokens:
-                keep.append((b, slot))
             else:
                 self.snapshots.cancel(slot)
-        seq.snapshot_writes = keep
+        seq.snapshot_writes = []
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow ``seq``'s block table to hold ``num_new_tokens`` more tokens; False (nothing changed) if the pool

@@ -35,11 +35,11 @@ class PrefixFeed:
 
     def ends_registered(self, hashes: Iterable[bytes]) -> None:
         for h in hashes:
-            _note(self._ends, h, True, self.capacity)
+            _record(self._ends, h, True, self.capacity)
 
     def ends_dropped(self, h: bytes) -> None:
         """The engine's ``on_snapshot_drop`` hook."""
-        _note(self._ends, h, False, self.capacity)
+        _record(self._ends, h, False, self.capacity)
 
     def take(self) -> dict:
         """The next report: ``{"prefix_seq", "registered", "evicted"}`` -- the changes since the previous one (oldest
@@ -55,10 +55,10 @@ class PrefixFeed:
         return out
 
     def _note(self, h: bytes, registered: bool) -> None:
-        _note(self._changes, h, registered, self.capacity)
+        _record(self._changes, h, registered, self.capacity)
 
 
-def _note(changes: OrderedDict[bytes, bool], h: bytes, registered: bool, capacity: int) -> None:
+def _record(changes: OrderedDict[bytes, bool], h: bytes, registered: bool, capacity: int) -> None:
     changes[h] = registered
     changes.move_to_end(h)
     while len(changes) > capacity:

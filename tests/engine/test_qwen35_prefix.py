@@ -151,6 +151,8 @@ def test_too_few_snapshot_slots_and_none(models):
 
 
 def test_abort_with_snapshots_planned_frees_everything(models):
+    """Mid-prefill, a chunk scheduled (its snapshots reserved) and aborted before it runs: the reserved snapshot
+    slots go back, the filed ones stay with their cached blocks."""
     path, _ = models("published")
     llm = LLM(path, **{**ENGINE, "max_num_batched_tokens": 8}, state_snapshot_every_blocks=1)
     engine = llm.engine
@@ -159,9 +161,11 @@ def test_abort_with_snapshots_planned_frees_everything(models):
     seq = engine.requests["a"]
     assert 0 < seq.num_computed_tokens < seq.num_prompt_tokens
     assert engine.block_manager.snapshots.num_filed == 2  # every block so far (8 tokens, 4-token blocks)
-    engine.scheduler.schedule  # noqa: B018 - nothing: the next step plans more, the abort comes first
+    engine.scheduler.schedule()  # the next chunk: two more snapshots reserved, not written
+    assert len(seq.snapshot_writes) == 2
     assert engine.abort_request("a")
     assert seq.state_slot is None and not seq.snapshot_writes
+    assert engine.block_manager.snapshots.num_filed == 2
     assert_no_leaked_blocks(llm)
 
 
