@@ -217,7 +217,7 @@ class DecodeActor(WorkerActorBase):
                                  step_s=self.worker.step_s, cpu_s=time.process_time(),
                                  local_steps=self.local_steps, wide_steps=self.wide_steps, nice=self.nice,
                                  experts=experts, expert_tiers=tiers, kv_refused=self.manager.refused(),
-                                 kv_endpoint=self.manager.endpoint)
+                                 kv_endpoint=self.manager.endpoint, stopped=self.stopped)
 
     def shutdown(self) -> None:
         self.stopped = True

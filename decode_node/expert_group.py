@@ -56,7 +56,7 @@ class ExpertGroup:
         (default ``host``, right when all ranks share the node)."""
         if not 0 <= rank < world:
             raise GroupUnavailable(f"rank {rank} outside a group of {world}")
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.key = rank, world, group_key
         self.device = device if device.type == "cuda" else torch.device("cpu")
         self.tick = 0
         timeout = timedelta(seconds=timeout_s)

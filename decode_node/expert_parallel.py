@@ -141,12 +141,14 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------------------------------------ stats
     def stats(self) -> dict:
-        """msgpack-able: placement versions, switches, and loads as ``[moe_layers][...]`` lists: ``expert_load``
+        """msgpack-able: placement versions (``wanted``: the newest staged or active; ``group``: the key of the group
+        joined, None before), switches, and loads as ``[moe_layers][...]`` lists: ``expert_load``
         (this rank's tokens per logical expert), ``slot_rows`` (rows this rank's slots computed for all ranks) and
         ``hint_load`` (prefill's histograms of the requests committed here) over the window; ``slot_rows_total``
         since start. The window advances only on ticks with work anywhere."""
         return {"rank": self.rank, "world": self.config.world, "version": self.shard.active.table.version,
-                "staged": self.shard.staged_version, "stage_error": self.shard.stage_error,
+                "staged": self.shard.staged_version, "wanted": self.shard.wanted_version,
+                "group": self.group.key if self.group is not None else None, "stage_error": self.shard.stage_error,
                 "ticks": self.group.tick if self.group is not None else 0, "switches": list(self.switches),
                 "slots_loaded": self.shard.slots_loaded, "broken": self.broken,
                 "expert_load": self.expert_load.total().tolist(), "slot_rows": self.slot_rows.total().tolist(),

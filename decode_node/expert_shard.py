@@ -55,6 +55,12 @@ class ExpertShard:
         with self._lock:
             return self._staged.table.version if self._staged is not None else self.active.table.version
 
+    @property
+    def wanted_version(self) -> int:
+        """The newest version staged or active: a new placement must be newer (:meth:`stage`)."""
+        with self._lock:
+            return max(self._wanted, self.active.table.version)
+
     def stage(self, table: SlotTable) -> None:
         """Start loading ``table`` in the background (replaces any staging in progress). Raises
         :class:`InvalidPlacement` for a table of another shape or an old version."""

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import functools
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from cluster.control.ray_epoch import EPOCH
+from cluster.control.reattach import GroupState
 from cluster.control.spec import ClusterSpec
 from cluster.experts.expert_router import ExpertRouter, RebalancePolicy, to_slot_table
 from cluster.experts.placement import Placement, static_placement
 from decode_node.expert_parallel import ExpertParallelConfig
+from decode_node.expert_slots import SlotTable
 from engine.config import TextConfig
 from node_common import messages
 
@@ -34,14 +37,30 @@ def worker_configs(spec: ClusterSpec, text: TextConfig) -> list[dict | None]:
                                  timeout_s=spec.expert_group_timeout_s).to_dict() for i in range(spec.num_decode)]
 
 
-def form_groups(spec: ClusterSpec, text: TextConfig, actors: list[Any], dtype_bytes: int) -> list[ExpertRouter]:
+def form_groups(spec: ClusterSpec, text: TextConfig, actors: list[Any], dtype_bytes: int,
+                attached: Sequence[GroupState] = ()) -> list[ExpertRouter]:
     """Join consecutive runs of ``spec.expert_parallel`` decode actors into groups (rank 0 hosts the rendezvous;
-    all ranks join at once, bounded by the group timeout) and return one router per group, not yet started."""
+    all ranks join at once, bounded by the group timeout) and return one router per group, not yet started. The
+    first ``len(attached)`` runs are groups a restarted front-end reattached (:func:`cluster.control.reattach.
+    place_groups`): still joined, they get a router that goes on from the placement they run."""
     if spec.expert_parallel == 1:
         return []
     world = spec.expert_parallel
-    return [form_group(spec, text, actors[g * world:(g + 1) * world], g, dtype_bytes)
+    return [attach_group(spec, text, actors[g * world:(g + 1) * world], g, dtype_bytes, attached[g])
+            if g < len(attached) else form_group(spec, text, actors[g * world:(g + 1) * world], g, dtype_bytes)
             for g in range(spec.num_decode // world)]
+
+
+def attach_group(spec: ClusterSpec, text: TextConfig, members: list[Any], g: int, dtype_bytes: int,
+                 state: GroupState) -> ExpertRouter:
+    """The router of a live group (``members`` in rank order) that another front-end formed: its placement is the
+    one the ranks run, and its next placement version follows the newest any rank has seen."""
+    table = SlotTable.from_wire(state.placement)
+    placement = Placement(table.slots.reshape(table.num_layers, -1), table.num_experts, table.workers,
+                          table.slots_per_worker)
+    router = _router(spec, text, members, g, dtype_bytes, placement)
+    router.version = state.version
+    return router
 
 
 def form_group(spec: ClusterSpec, text: TextConfig, members: list[Any], g: int, dtype_bytes: int) -> ExpertRouter:
@@ -55,7 +74,12 @@ def form_group(spec: ClusterSpec, text: TextConfig, members: list[Any], g: int, 
     key = f"g{g}-{uuid.uuid4().hex[:8]}"
     for reply in ray.get([a.ep_join.remote(where["host"], where["port"], key) for a in members], timeout=timeout):
         messages.unpack(reply)  # raises GroupUnavailable of a rank that could not join
+    return _router(spec, text, members, g, dtype_bytes, initial_placement(spec, text))
+
+
+def _router(spec: ClusterSpec, text: TextConfig, members: list[Any], g: int, dtype_bytes: int,
+            placement: Placement) -> ExpertRouter:
     policy = RebalancePolicy(interval_s=spec.expert_rebalance_s, max_moves=spec.expert_max_moves)
     per_expert = 3 * text.hidden_size * text.moe_intermediate_size * dtype_bytes
-    return ExpertRouter(members, initial_placement(spec, text), bytes_per_expert=per_expert, policy=policy,
-                        name=f"ep-{g}", guard=functools.partial(EPOCH.use, EPOCH.current))
+    return ExpertRouter(members, placement, bytes_per_expert=per_expert, policy=policy, name=f"ep-{g}",
+                        guard=functools.partial(EPOCH.use, EPOCH.current))

@@ -10,9 +10,10 @@ answers within :data:`PING_S`, is reused -- reset first (:meth:`reset` on the ac
 front-end ends, its blocks freed) -- and any other worker of that name is killed. Starting workers is what costs
 a cold start tens of seconds (model load, kernel probes, an expert-parallel group); reattaching costs a ping.
 
-A clean shutdown (:meth:`forget`) kills the workers and deletes the record. Not reattached: expert-parallel decode
-groups (their routing state lives in the front-end; a restart forms a new group) -- their members are killed and
-started afresh. The secret in the record is readable by whoever can reach the Ray cluster's GCS, who can already run
+Expert-parallel decode groups are reattached whole (:func:`place_groups`): a group whose every rank answers, is not
+broken or stopped and is still joined to its fellows keeps running as it was (its placement and placement version
+read back from the ranks, for the new front-end's expert router); a group missing a rank is killed and formed anew.
+A clean shutdown (:meth:`forget`) kills the workers and deletes the record. The secret in the record is readable by whoever can reach the Ray cluster's GCS, who can already run
 code on its nodes; it never leaves the cluster.
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 import msgpack
 
 from kv_transfer import ClusterSecret
+from node_common import messages
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class Attached:
     worker id, with the epoch their polls must now carry."""
 
     secret: ClusterSecret | None = None
-    workers: dict[str, tuple[str, Any, int]] = field(default_factory=dict)  # id -> (role, actor, poll epoch)
+    workers: dict[str, tuple[str, Any, int, str]] = field(default_factory=dict)  # id -> (role, actor, poll epoch, fp)
     seen: set[str] = field(default_factory=set)  # every worker id of that name found (reused or killed)
 
 
@@ -89,9 +91,10 @@ def write_record(detached_name: str, secret: ClusterSecret | None, workers: dict
     _kv()._internal_kv_put(_key(detached_name), msgpack.packb(rec), overwrite=True, namespace=NAMESPACE)
 
 
-def attach(detached_name: str, expected: dict[str, str]) -> Attached:
-    """Find the live workers of ``detached_name`` whose recorded fingerprint equals ``expected[role]`` and reset
-    them; kill every other actor of that name. Blocking (a ping each, :data:`PING_S` at most)."""
+def attach(detached_name: str, expected: dict[str, set[str]]) -> Attached:
+    """Find the live workers of ``detached_name`` whose recorded fingerprint is one of ``expected[role]`` (a decode
+    worker's differs by its expert-parallel rank) and reset them; kill every other actor of that name. Blocking (a
+    ping each, :data:`PING_S` at most)."""
     import ray
 
     rec = read_record(detached_name)
@@ -108,10 +111,10 @@ def attach(detached_name: str, expected: dict[str, str]) -> Attached:
         except ValueError:  # gone since it was listed
             continue
         role, fp = (recorded.get(worker_id) or [None, None])[:2]
-        if role in expected and fp == expected[role]:
+        if role in expected and fp in expected[role]:
             try:
                 reply = msgpack.unpackb(ray.get(actor.reset.remote("its front-end restarted"), timeout=PING_S))
-                found.workers[worker_id] = (role, actor, int(reply["epoch"]))
+                found.workers[worker_id] = (role, actor, int(reply["epoch"]), fp)
                 continue
             except Exception as e:  # noqa: BLE001 - unresponsive or broken: replaced below
                 logger.warning("detached worker %s did not answer (%s); starting a new one", name, e)
@@ -124,3 +127,45 @@ def attach(detached_name: str, expected: dict[str, str]) -> Attached:
 def forget(detached_name: str) -> None:
     """A clean shutdown: no record left (the caller kills the workers)."""
     _kv()._internal_kv_del(_key(detached_name), namespace=NAMESPACE)
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """A live expert-parallel group found by :func:`place_groups`: its members by rank, the placement it runs (a
+    ``SlotTable`` wire map) and the newest placement version any rank staged or runs (a new one must be newer)."""
+
+    members: list[str]
+    placement: dict
+    version: int
+
+
+def place_groups(workers: dict[str, tuple], world: int, num_decode: int) -> list[GroupState]:
+    """Among the reattached workers (:attr:`Attached.workers`), the whole expert-parallel groups of ``world`` ranks,
+    at most ``num_decode // world``, in the order of their lowest worker index. Every other decode worker -- a rank
+    that did not answer, is broken or stopped, or whose fellows are gone -- is killed and dropped from ``workers``."""
+    import ray
+
+    ids = [w for w, (role, *_) in workers.items() if role == "decode"]
+    by_key: dict[str, dict[int, tuple[str, dict]]] = {}
+    for w in ids:
+        try:
+            st = messages.unpack(ray.get(workers[w][1].stats.remote(), timeout=PING_S))
+        except Exception as e:  # noqa: BLE001 - unresponsive or broken: its group is formed anew
+            logger.warning("detached decode worker %s did not report its group (%s)", w, e)
+            continue
+        ep = st.get("experts") or {}
+        if ep.get("group") and ep.get("world") == world and not ep.get("broken") and not st.get("stopped"):
+            by_key.setdefault(ep["group"], {})[ep["rank"]] = (w, ep)
+    groups = []
+    for ranks in by_key.values():
+        if sorted(ranks) != list(range(world)) or len({ep["version"] for _, ep in ranks.values()}) != 1:
+            continue
+        groups.append(GroupState(members=[ranks[r][0] for r in range(world)], placement=ranks[0][1]["placement"],
+                                 version=max(ep.get("wanted", ep["version"]) for _, ep in ranks.values())))
+    groups.sort(key=lambda g: min(int(w.rsplit("-", 1)[1]) for w in g.members))
+    groups = groups[:num_decode // world]
+    kept = {w for g in groups for w in g.members}
+    for w in ids:
+        if w not in kept:
+            ray.kill(workers.pop(w)[1])
+    return groups

@@ -74,7 +74,7 @@ class WorkerPool:
         try:
             self.max_model_len = self._agree_max_model_len()
             self.expert_routers = expert_groups.form_groups(spec, text, [w.actor for w in self.decodes],
-                                                            self._dtype_bytes)
+                                                            self._dtype_bytes, attached=self._ep_attached)
         except BaseException:
             for w in self.workers():
                 ray.kill(w.actor)
@@ -322,23 +322,26 @@ class WorkerPool:
         return Worker(WorkerLoad(worker_id), actor)
 
     def _start_workers(self) -> tuple[list[Worker], list[Worker]]:
-        """The pools at start: reattached detached workers where there are some (cluster.control.reattach), new
-        ones for the rest. Expert-parallel decode workers are always new (a group is formed by its front-end)."""
+        """The pools at start: reattached detached workers where there are some (cluster.control.reattach; whole
+        expert-parallel groups only, first in the pool, their state in ``self._ep_attached``), new ones for the rest."""
         import ray
 
-        spec, attached = self.spec, reattach.Attached()
+        spec, attached, world = self.spec, reattach.Attached(), self.spec.expert_parallel
         if spec.detached_name:
-            roles = ("prefill",) if spec.expert_parallel > 1 else ROLES
-            expected = {r: reattach.fingerprint(r, *self._spawn_args(r)) for r in roles}
+            expected = {r: {reattach.fingerprint(r, *self._spawn_args(r, self._ep_config(r, i))) for i in range(world)}
+                        for r in ROLES}
             attached = reattach.attach(spec.detached_name, expected)
         found, seen = attached.workers, attached.seen
-        self._detached.update({w: [role, expected[role]] for w, (role, *_) in found.items()})
+        self._ep_attached = reattach.place_groups(found, world, spec.num_decode) if world > 1 else []
+        self._detached.update({w: [role, fp] for w, (role, _, _, fp) in found.items()})
         for role, _, index in (w.rpartition("-") for w in seen):  # a name just killed may not be free yet:
             if role in self._next_index and index.isdigit():  # new workers take new ids
                 self._next_index[role] = max(self._next_index[role], int(index) + 1)
         pools: dict[str, list[Worker]] = {}
         for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
             mine = sorted((w for w, (r, *_) in found.items() if r == role), key=lambda w: int(w.rsplit("-", 1)[1]))
+            if role == "decode" and world > 1:  # whole groups, each in rank order: slot i's rank is i % world
+                mine = [w for g in self._ep_attached for w in g.members]
             for worker_id in mine[count:]:  # more than this front-end runs now
                 ray.kill(found[worker_id][1])
                 self._detached.pop(worker_id, None)
