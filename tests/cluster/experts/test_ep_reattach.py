@@ -5,6 +5,8 @@ a rank is replaced whole: new actors, formed anew, serving the same tokens."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -65,7 +67,9 @@ def test_a_restarted_front_end_reattaches_a_live_group(ray_cluster, tiny_model_d
         assert [c.token_ids for c in first.generate_batch(prompts, params)] == tokens
         ids, keys = _ids(first), _keys(first)
         first.abandon()
+        t0 = time.monotonic()
         second = DisaggCluster(spec)
+        print(f"expert-parallel group reattached in {time.monotonic() - t0:.2f} s")
         assert _ids(second) == ids  # every worker reused, the group's ranks in their slots
         assert _keys(second) == keys  # the same group, not formed again
         again = second.expert_routers[0]
