@@ -177,6 +177,8 @@ static inline vec vexp(vec x) {
         _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++)                                                       \
             _Pragma("GCC unroll 3") for (int j = 0; j < MV; j++) acc[i][j] = (vec){0};                              \
         for (int64_t k = 0; k < K; k++) {                                                                           \
+            if ((k & (VW - 1)) == 0) /* the next tile's weight rows, a line each, one tile ahead of their use */    \
+                _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) __builtin_prefetch(w + (MR + i) * K + k, 0, 3); \
             const float *xk = xT + k * ldx;                                                                         \
             vec xv[MV];                                                                                             \
             _Pragma("GCC unroll 3") for (int j = 0; j < MV; j++) xv[j] = load(xk + j * VW);                         \
@@ -224,6 +226,19 @@ static void gemm_t(const float *w, int64_t N, int64_t K, const float *xT, int64_
     while (v < nv) BAND(TILE_ONE, ROWS_ONE, TILE_ONE, ROWS_ONE, 1);
 }
 
+/* he [m, I] = silu(g) * u of ge [m, 2I] rows [g; u] (gemv's layout). */
+static void silu_mul(const float *ge, int64_t m, int64_t I, float *he) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = 0; c < I; c++) {
+            const float g = ge[r * 2 * I + c];
+            he[r * I + c] = g / (1.f + expf(-g)) * ge[r * 2 * I + I + c];
+        }
+}
+
+#ifndef TAIL_ROWS
+#define TAIL_ROWS 6 /* rows past a whole vector that gemv takes rather than a zero-padded vector of the tiled path */
+#endif
+
 /* Scratch floats duet_moe_silu_f32 takes for T tokens of k experts each out of E: every expert with tokens gets
    (2H + 3I) floats per row, the rows of one with at least tile_min (>= 1) of them rounded up to whole vectors (its
    tiled path's columns; at most min(E, T k / tile_min) experts), so a decode step's experts take no padding. */
@@ -253,8 +268,10 @@ void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t 
     for (int64_t p = 0; p < P; p++) start[ids[p]]++;
     int64_t na = 0, nt = 0;
     for (int64_t e = 0, acc = 0; e < E; e++) {
-        const int64_t c = start[e];
-        ld[e] = c >= tile_min ? (c + VW - 1) / VW * VW : 0; /* the tiled path's row stride; 0: gemv's layout */
+        const int64_t c = start[e], tail = c % VW;
+        /* the tiled path's row stride (0: gemv's layout): whole vectors of rows, a last one padded with zeros unless
+           at most TAIL_ROWS rows spill over a whole vector, which gemv takes (a padded vector costs a whole one) */
+        ld[e] = c < tile_min ? 0 : tail <= TAIL_ROWS && c - tail >= tile_min ? c - tail : (c + VW - 1) / VW * VW;
         region[e] = (acc + (VW - 1) * nt) * per_row;
         nt += ld[e] > 0;
         if (c) active[na++] = e;
@@ -280,11 +297,11 @@ void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t 
         const float *wgu = gate_up + e * 2 * I * H, *wd = down + e * H * I;
         float *base = fscratch + region[e];
         if (ld[e]) {
-            const int64_t lx = ld[e];
+            const int64_t lx = ld[e], mt = lx < m ? lx : m; /* rows of the tiled path; gemv takes the m - mt after */
             float *xT = base, *gT = xT + H * lx, *hT = gT + 2 * I * lx, *oT = hT + I * lx;
             const float *rows[VW];
             for (int64_t r0 = 0; r0 < lx; r0 += VW) { /* gathered and transposed VW tokens at a time */
-                const int64_t n = m - r0 < VW ? m - r0 : VW;
+                const int64_t n = mt - r0 < VW ? mt - r0 : VW;
                 for (int64_t r = 0; r < n; r++) rows[r] = x + (pe[r0 + r] / k) * H;
                 for (int64_t c0 = 0; c0 + VW <= H; c0 += VW) {
                     vec blk[VW];
@@ -302,23 +319,29 @@ void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t 
                     memcpy(hT + c * lx + r, &s, sizeof s);
                 }
             gemm_t(wd, H, I, hT, lx, oT);
-            float *o = xT; /* the rows' outputs [m, H], in xT's place (H lx >= m H floats) */
-            for (int64_t r0 = 0; r0 < m; r0 += VW) {
-                const int64_t n = m - r0 < VW ? m - r0 : VW;
+            float *o = xT; /* the rows' outputs [m, H], in xT's place (H lx >= mt H floats) */
+            for (int64_t r0 = 0; r0 < mt; r0 += VW) {
+                const int64_t n = mt - r0 < VW ? mt - r0 : VW;
                 for (int64_t c0 = 0; c0 + VW <= H; c0 += VW) transpose_block(oT + c0 * lx + r0, lx, VW, o + r0 * H + c0, H, n);
                 for (int64_t c = H / VW * VW; c < H; c++)
                     for (int64_t r = 0; r < n; r++) o[(r0 + r) * H + c] = oT[c * lx + r0 + r];
+            }
+            if (mt < m) { /* the tail rows by gemv, in the scratch past the tiled path's (m - mt rows of per_row) */
+                const int64_t mr = m - mt;
+                float *xe = base + lx * per_row, *ge = xe + mr * H, *he = ge + mr * 2 * I, *oe = he + mr * I;
+                for (int64_t r = 0; r < mr; r++) memcpy(xe + r * H, x + (pe[mt + r] / k) * H, H * sizeof(float));
+                gemv(xe, mr, H, wgu, 2 * I, NULL, ge, 2 * I, wd);
+                silu_mul(ge, mr, I, he);
+                gemv(he, mr, I, wd, H, NULL, oe, H, NULL);
+                /* after the tiled outputs: [mt H, m H) lies in gT / hT / oT (done with) and ends before xe */
+                memcpy(o + mt * H, oe, mr * H * sizeof(float));
             }
         } else {
             float *xe = base, *ge = xe + m * H, *he = ge + m * 2 * I, *oe = he + m * I;
             const float *after = a + 1 < na ? gate_up + active[a + 1] * 2 * I * H : NULL;
             for (int64_t r = 0; r < m; r++) memcpy(xe + r * H, x + (pe[r] / k) * H, H * sizeof(float));
             gemv(xe, m, H, wgu, 2 * I, NULL, ge, 2 * I, wd);
-            for (int64_t r = 0; r < m; r++)
-                for (int64_t c = 0; c < I; c++) {
-                    const float g = ge[r * 2 * I + c];
-                    he[r * I + c] = g / (1.f + expf(-g)) * ge[r * 2 * I + I + c];
-                }
+            silu_mul(ge, m, I, he);
             gemv(he, m, I, wd, H, NULL, oe, H, after);
         }
     }

@@ -83,6 +83,27 @@ def test_moe_tiled_path_equals_the_reference(tokens, top_k, h, i, e, tile_min):
 
 
 @needs_lib
+@pytest.mark.parametrize("tile_min", [1, 16, 20])
+def test_moe_tail_rows_past_whole_vectors_equal_the_reference(tile_min):
+    """Experts whose rows spill a few past a whole vector (17-22, 33, 49: the tiled path takes the whole vectors and
+    gemv the rest) and some further past it (23-31: a zero-padded vector), beside exact multiples and a few-row
+    expert, in one call, with top-2 routing so a token's rows come from both paths."""
+    counts = [17, 18, 19, 20, 21, 22, 23, 26, 31, 32, 33, 49, 5, 16]
+    e, h, i = len(counts), 40, 24
+    g = torch.Generator().manual_seed(tile_min)
+    ids = torch.cat([torch.full((c,), j, dtype=torch.long) for j, c in enumerate(counts)])
+    ids = ids[torch.randperm(len(ids), generator=g)]
+    experts = ids.view(-1, 2)
+    keep = experts[:, 0] != experts[:, 1]  # top-k pairs name distinct experts
+    experts = experts[keep]
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
+    x = torch.randn(len(experts), h, generator=g)
+    weights = torch.rand(len(experts), 2, generator=g)
+    got = cpu_kernels.moe_silu(LIB, x, gate_up, down, experts, weights, tile_min=tile_min)
+    torch.testing.assert_close(got, _moe_reference(x, gate_up, down, experts, weights), rtol=1e-5, atol=1e-5)
+
+
+@needs_lib
 @pytest.mark.parametrize("tile_min", [1, 10 ** 9])
 def test_moe_silu_holds_over_the_whole_float_range(tile_min):
     """The tiled path's vector exp: silu of gate values from -200 to 200 (clamped beyond the float range of exp)
