@@ -257,6 +257,9 @@ class DecodeActor(WorkerActorBase):
                         torch.set_num_threads(want)
                     self.wide_steps += threads > self.num_threads
                 events = self._step() if decoding or self.worker.receiving else []
+                # a transfer this step committed is decoding now: the loop must not sleep as if it were idle (it
+                # slept up to 50 ms before a received request's second decode step)
+                decoding = self.worker.engine.has_unfinished_requests()
             self._publish(events)
             self.lock.give_way()  # an allocate or abort that waited for this step goes before the next one
             if not decoding and self.worker.receiving:

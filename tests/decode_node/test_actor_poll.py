@@ -4,6 +4,7 @@ with one ``finished`` event, a failed transfer as one ``failed`` event, and no b
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -74,6 +75,34 @@ def test_poll_streams_typed_token_events(actor, tiny_model_dir):
     assert [ev.finished for ev in events] == [False] * (len(events) - 1) + [True]
     assert events[0].kv_transfer is not None and events[0].kv_transfer["transport"] == "inproc"
     _idle(actor)
+    pm.close()
+
+
+def test_a_received_request_decodes_without_idle_waits(actor, tiny_model_dir):
+    """The loop step that commits a transfer starts the request decoding: the loop must not then wait for new work
+    as if it were idle (it waited up to 50 ms, once per received request, before the second decode step)."""
+    idle_waits_while_running = []
+
+    class Wake(threading.Event):
+        def wait(self, timeout=None):
+            idle_waits_while_running.append(actor.worker.engine.has_unfinished_requests())
+            return super().wait(timeout)
+
+    actor.wake = Wake()
+    pw = PrefillWorker(tiny_model_dir, EngineConfig(**CFG))
+    e = pw.engine
+    prompt = InputProcessor(e.model_config, e.tokenizer, e.image_processor, e.max_model_len).process(
+        make_request(9, seed=7))
+    pm = InprocManager()
+    for rid in ("a", "b"):  # each commits on an idle worker
+        lease = _allocate(actor, rid, prompt, greedy(6))
+        pw.submit(rid, prompt_wire.prompt_from_wire(prompt_wire.prompt_to_wire(prompt, for_encoder=True)), greedy(6),
+                  pm.sender(lease))
+        events = _poll_until(actor, lambda evs: any(ev.finished for ev in evs),
+                             step=lambda: pw.step() if pw.has_work() else None)
+        assert sum(len(ev.token_ids) for ev in events) == 6
+        _idle(actor)
+    assert idle_waits_while_running and not any(idle_waits_while_running)
     pm.close()
 
 
