@@ -161,7 +161,8 @@ class InferenceService:
                     self.requests_served += 1
                 yield event
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+            if outcome not in ("ok", "aborted"):  # closed after its final event (a stream read to its end) it was served
+                outcome = "cancelled"
             raise
         except Exception as e:
             outcome = self._failed(e)

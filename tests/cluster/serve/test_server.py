@@ -319,6 +319,20 @@ def test_http_client_disconnect_aborts_the_request(http, serve_cluster):
     assert requests_counted(http, "cancelled", api="http") == before + 1
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "red"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "red"}]})])
+def test_a_stream_read_to_its_end_counts_as_served(http, path, body):
+    """A streamed reply the client read to ``[DONE]`` counts as ``ok``, not ``cancelled`` (the front-end closed the
+    event stream after its final event, which counted every streamed request as cancelled)."""
+    ok, cancelled = requests_counted(http, "ok", api="http"), requests_counted(http, "cancelled", api="http")
+    with http.stream("POST", path, json={**body, "max_tokens": 4, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert requests_counted(http, "ok", api="http") == ok + 1
+    assert requests_counted(http, "cancelled", api="http") == cancelled
+
+
 # ----------------------------------------------------------------------------------------------- cap and load
 def test_over_the_concurrency_cap_is_resource_exhausted_and_429(capped, serve_cluster):
     with Client(capped.grpc_target) as c:
