@@ -13,8 +13,8 @@ a cold start tens of seconds (model load, kernel probes, an expert-parallel grou
 Expert-parallel decode groups are reattached whole (:func:`place_groups`): a group whose every rank answers, is not
 broken or stopped and is still joined to its fellows keeps running as it was (its placement and placement version
 read back from the ranks, for the new front-end's expert router); a group missing a rank is killed and formed anew.
-A clean shutdown (:meth:`forget`) kills the workers and deletes the record. The secret in the record is readable by whoever can reach the Ray cluster's GCS, who can already run
-code on its nodes; it never leaves the cluster.
+A clean shutdown (:meth:`forget`) kills the workers and deletes the record. The secret in the record is readable by
+whoever can reach the Ray cluster's GCS, who can already run code on its nodes; it never leaves the cluster.
 """
 
 from __future__ import annotations

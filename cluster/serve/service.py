@@ -161,7 +161,7 @@ class InferenceService:
                     self.requests_served += 1
                 yield event
         except (asyncio.CancelledError, GeneratorExit):
-            if outcome not in ("ok", "aborted"):  # closed after its final event (a stream read to its end) it was served
+            if outcome not in ("ok", "aborted"):  # closed after its final event (read to its end): it was served
                 outcome = "cancelled"
             raise
         except Exception as e:
