@@ -65,6 +65,7 @@ class DecodeActor(WorkerActorBase):
                                          expert_tiers=None if expert_tiers is None else TierConfig(**expert_tiers)))
         self.cond = threading.Condition()
         self.wake = threading.Event()  # set by allocate: an idle loop sleeps on it instead of polling
+        self.worker.on_transfer_done = lambda: self.wake.set()  # ... and by a transfer that landed (commit it now)
         self.pending: list[DecodeEvent] = []  # token deltas and failures not yet polled
         self._urgent = False  # pending holds an event a poll returns at once (see poll's coalesce_s)
         self._intake: list = []  # requests admit_local checked, for the loop to add before its next step
@@ -264,8 +265,9 @@ class DecodeActor(WorkerActorBase):
             self.lock.give_way()  # an allocate or abort that waited for this step goes before the next one
             if not decoding and self.worker.receiving:
                 # Only transfers in flight: poll them every 2 ms instead of spinning, which would starve the
-                # transport's receive thread of the GIL and slow every transfer ~100x.
-                time.sleep(0.002)
+                # transport's receive thread of the GIL and slow every transfer ~100x; one that lands wakes it.
+                self.wake.wait(0.002)
+                self.wake.clear()
             elif not decoding:  # nothing at all: sleep until a request is allocated (2.5% of a core polling)
                 self.wake.wait(0.05)
                 self.wake.clear()

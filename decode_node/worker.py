@@ -107,6 +107,7 @@ class DecodeWorker:
         self.requests: dict[str, DecodeRequest] = {}  # every request from allocate until it ends (module docstring)
         self.recv_lock = threading.Lock()
         self.step_s = 0.0  # seconds in decode steps (the rest of the process's CPU time is intake, KV, polls)
+        self.on_transfer_done: Callable[[], None] | None = None  # called on the transport thread as a transfer lands
         self.ep = None if expert_parallel is None else ExpertParallel(self.engine, model_dir, expert_parallel)
         self.tiers = None if expert_tiers is None else ExpertTiers(self.engine, expert_tiers)
 
@@ -141,7 +142,7 @@ class DecodeWorker:
                       state=self.state_layout, **self.lease_policy.queued(nbytes, start_by_s))
         clock = TransferClock()
         try:
-            receiver = self.manager.expect(lease, self._sink(request_id, clock))
+            receiver = self.manager.expect(lease, self._sink(request_id, clock), on_done=self._transfer_done)
             receiver.decode_device = self.engine.runner.device  # decode compressed layers where the pool is
             if self.state_layout is not None:
                 receiver.state_sink = self._state_sink(request_id, clock)
@@ -222,6 +223,11 @@ class DecodeWorker:
         self._forget(request_id)
         self._release(request_id)  # no-op when the engine released it already
         (report.errors if own_fault else report.failed)[request_id] = reason
+
+    def _transfer_done(self, meta: dict) -> None:
+        """A transfer is complete (transport thread): the owner's loop may commit it now (``on_transfer_done``)."""
+        if self.on_transfer_done is not None:
+            self.on_transfer_done()
 
     def poll_transfers(self, report: StepReport) -> None:
         """Commit finished transfers, release failed ones."""

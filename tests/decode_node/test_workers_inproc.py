@@ -236,3 +236,22 @@ def test_a_transfer_that_fails_after_the_hand_off_is_reported_too(tiny_model_dir
     assert pw.take_report()["dropped"] == []
     dw.step()
     assert not dw.has_work()
+
+
+def test_a_landed_transfer_calls_on_transfer_done_before_it_is_committed(tiny_model_dir):
+    """The decode worker's ``on_transfer_done`` runs once per transfer, as it lands and before any step commits it
+    (the actor's loop wakes on it instead of finding the transfer at its next 2 ms poll)."""
+    pw, dw, pm = _pair(tiny_model_dir)
+    landed = []
+    dw.on_transfer_done = lambda: landed.append(dict(dw.receivers))
+    prompts = [make_request(6, seed=31), make_request(9, seed=32)]
+    for i, p in enumerate(prompts):
+        pw.submit(f"r{i}", p, greedy(3), pm.sender(dw.allocate(f"r{i}", p, greedy(3))))
+    while pw.has_work():
+        pw.step()
+    for receiver in list(dw.receivers.values()):
+        receiver.wait(10)
+    assert len(landed) == 2 and all(len(r) == 2 for r in landed)  # both called while both were still uncommitted
+    tokens, failed, _ = _step_until_idle(pw, dw)
+    assert not failed and len(landed) == 2 and set(tokens) == {"r0", "r1"}
+    pm.close()
