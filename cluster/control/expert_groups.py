@@ -12,7 +12,7 @@ from typing import Any
 from cluster.control.ray_epoch import EPOCH
 from cluster.control.reattach import GroupState
 from cluster.control.spec import ClusterSpec
-from cluster.experts.expert_router import ExpertRouter, RebalancePolicy, to_slot_table
+from cluster.experts.expert_router import ExpertRouter, RebalancePolicy, from_slot_table, to_slot_table
 from cluster.experts.placement import Placement, static_placement
 from decode_node.expert_parallel import ExpertParallelConfig
 from decode_node.expert_slots import SlotTable
@@ -55,10 +55,7 @@ def attach_group(spec: ClusterSpec, text: TextConfig, members: list[Any], g: int
                  state: GroupState) -> ExpertRouter:
     """The router of a live group (``members`` in rank order) that another front-end formed: its placement is the
     one the ranks run, and its next placement version follows the newest any rank has seen."""
-    table = SlotTable.from_wire(state.placement)
-    placement = Placement(table.slots.reshape(table.num_layers, -1), table.num_experts, table.workers,
-                          table.slots_per_worker)
-    router = _router(spec, text, members, g, dtype_bytes, placement)
+    router = _router(spec, text, members, g, dtype_bytes, from_slot_table(SlotTable.from_wire(state.placement)))
     router.version = state.version
     return router
 

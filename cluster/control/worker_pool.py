@@ -339,9 +339,10 @@ class WorkerPool:
                 self._next_index[role] = max(self._next_index[role], int(index) + 1)
         pools: dict[str, list[Worker]] = {}
         for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
-            mine = sorted((w for w, (r, *_) in found.items() if r == role), key=lambda w: int(w.rsplit("-", 1)[1]))
             if role == "decode" and world > 1:  # whole groups, each in rank order: slot i's rank is i % world
                 mine = [w for g in self._ep_attached for w in g.members]
+            else:
+                mine = sorted((w for w, (r, *_) in found.items() if r == role), key=lambda w: int(w.rsplit("-", 1)[1]))
             for worker_id in mine[count:]:  # more than this front-end runs now
                 ray.kill(found[worker_id][1])
                 self._detached.pop(worker_id, None)

@@ -177,3 +177,10 @@ def to_slot_table(placement: Placement, version: int) -> SlotTable:
     """:class:`cluster.experts.placement.Placement` (``slots[L, W*S]``) -> the decode group's ``[L, W, S]`` table."""
     slots = placement.slots.reshape(placement.num_layers, placement.workers, placement.slots_per_worker)
     return SlotTable(slots, placement.num_experts, version)
+
+
+def from_slot_table(table: SlotTable) -> Placement:
+    """The inverse of :func:`to_slot_table` (the table's version is dropped): a group's ``[L, W, S]`` table as a
+    :class:`~cluster.experts.placement.Placement`."""
+    return Placement(table.slots.reshape(table.num_layers, -1), table.num_experts, table.workers,
+                     table.slots_per_worker)

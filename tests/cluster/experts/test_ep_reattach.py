@@ -5,7 +5,9 @@ a rank is replaced whole: new actors, formed anew, serving the same tokens."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -54,12 +56,28 @@ def _names(name: str) -> list[str]:
                   if a.get("namespace") == reattach.NAMESPACE and a["name"].startswith(f"{name}:"))
 
 
+@contextlib.contextmanager
+def _front_ends(spec: ClusterSpec) -> Iterator[Callable[[], DisaggCluster]]:
+    """``start()`` makes a front-end of ``spec``; the last one started is shut down at the end, and then no worker
+    of the name is left."""
+    started: list[DisaggCluster] = []
+
+    def start() -> DisaggCluster:
+        started.append(DisaggCluster(spec))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        if started:
+            started[-1].shutdown()
+    assert _names(spec.detached_name) == []
+
+
 def test_a_restarted_front_end_reattaches_a_live_group(ray_cluster, tiny_model_dir, want):
     prompts, params, tokens = want
-    spec = _spec(tiny_model_dir, "t-ep-reattach")
-    first = DisaggCluster(spec)
-    second = None
-    try:
+    with _front_ends(_spec(tiny_model_dir, "t-ep-reattach")) as start:
+        first = start()
         router = first.expert_routers[0]
         skew = np.array([[40.0, 1, 1, 1, 9, 1, 1, 1], [1.0, 1, 30, 1, 1, 1, 12, 1]])  # a placement of its own
         moved = align(duet_placement(skew, router.current.workers, router.current.slots_per_worker), router.current)
@@ -68,7 +86,7 @@ def test_a_restarted_front_end_reattaches_a_live_group(ray_cluster, tiny_model_d
         ids, keys = _ids(first), _keys(first)
         first.abandon()
         t0 = time.monotonic()
-        second = DisaggCluster(spec)
+        second = start()
         print(f"expert-parallel group reattached in {time.monotonic() - t0:.2f} s")
         assert _ids(second) == ids  # every worker reused, the group's ranks in their slots
         assert _keys(second) == keys  # the same group, not formed again
@@ -79,29 +97,21 @@ def test_a_restarted_front_end_reattaches_a_live_group(ray_cluster, tiny_model_d
                      again.current)
         assert again.apply(back, wait_s=30) and again.version == 2  # the next version is newer than the group's
         assert [c.token_ids for c in second.generate_batch(prompts, params)] == tokens
-    finally:
-        (second or first).shutdown()
-    assert _names("t-ep-reattach") == []
 
 
 def test_a_group_missing_a_rank_is_formed_anew(ray_cluster, tiny_model_dir, want):
     import ray
 
     prompts, params, tokens = want
-    spec = _spec(tiny_model_dir, "t-ep-broken")
-    first = DisaggCluster(spec)
-    second = None
-    try:
+    with _front_ends(_spec(tiny_model_dir, "t-ep-broken")) as start:
+        first = start()
         ids, keys = _ids(first), _keys(first)
         first.abandon()
         ray.kill(first.decodes[1].actor)  # rank 1 dies with its front-end: rank 0 is left alone
-        second = DisaggCluster(spec)
+        second = start()
         now = _ids(second)
         assert now["prefill-0"] == ids["prefill-0"]  # the prefill worker is reused
         assert not {now[w.worker_id] for w in second.decodes} & {ids["decode-0"], ids["decode-1"]}  # both new
         assert "decode-0" not in {w.worker_id for w in second.decodes}  # the survivor was killed, not reused
         assert len(_keys(second)) == 1 and not _keys(second) & keys
         assert [c.token_ids for c in second.generate_batch(prompts, params)] == tokens
-    finally:
-        (second or first).shutdown()
-    assert _names("t-ep-broken") == []
