@@ -9,6 +9,7 @@ layer's Python work is O(prefill spans + 1), never O(tokens) or O(blocks).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,10 +68,11 @@ def causal_mask_with_prefix(length: int, context_len: int, device: torch.device)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, prefill_from: int = 0) -> torch.Tensor:
     """Store the step's new keys/values in the pool (and the decode mirror), then attend.
 
-    q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D].
+    q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]. ``prefill_from`` > 0: prompt chunks of at least that many
+    tokens attend through the compiled kernel (:func:`choose_prefill_kernel`), the rest through SDPA.
     """
     k_cache, v_cache = kv.k, kv.v
     nb, bs, kvh, d = k_cache.shape
@@ -84,6 +86,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     out = torch.empty_like(q)
     for span in meta.prefills:
         s, e = span.start, span.start + span.length
+        if 0 < prefill_from <= span.length:
+            ks, vs = ((k[s:e], v[s:e]) if span.block_table is None else
+                      (k_cache[span.block_table].view(-1, kvh, d)[: span.context_len],
+                       v_cache[span.block_table].view(-1, kvh, d)[: span.context_len]))
+            if cpu_kernels.prefill_attention_fits(q, ks, vs):
+                cpu_kernels.prefill_attention(cpu_kernels.library(), q[s:e], ks, vs, scale, out=out[s:e])
+                if span.capture is not None and meta.captured is not None:
+                    meta.captured[span.capture] = q[max(s, e - meta.query_window):e].clone()
+                continue
         qs = q[s:e].transpose(0, 1).unsqueeze(0)
         if span.block_table is None:
             ks, vs = k[s:e], v[s:e]
@@ -141,3 +152,41 @@ class LayerKV:
     mirror_k: torch.Tensor
     mirror_v: torch.Tensor
     index: int = 0  # layer number
+
+
+PREFILL_PROBES = (16, 128, 512)  # prompt-chunk lengths the compiled prefill kernel is timed at against SDPA
+_PREFILL_FROM: dict[tuple[int, int, int, int], int] = {}  # (heads, kv heads, head_dim, threads) -> the answer
+
+
+def choose_prefill_kernel(heads: int, kv_heads: int, head_dim: int) -> int:
+    """The shortest prompt chunk from which :func:`paged_attention` runs a chunk's causal attention through the
+    compiled kernel (:func:`engine.cpu_kernels.prefill_attention`; 0: never): the smallest of
+    :data:`PREFILL_PROBES` at which it ran faster than SDPA by 5%, at it and at every longer probe (best of three,
+    the two alternating, random float32 operands). Timed once per shape and thread count in a process."""
+    key = (heads, kv_heads, head_dim, torch.get_num_threads())
+    if key in _PREFILL_FROM:
+        return _PREFILL_FROM[key]
+    lib = cpu_kernels.library()
+    g = torch.Generator().manual_seed(0)
+    start = 0
+    if lib is not None and heads % kv_heads == 0 and head_dim % 16 == 0:
+        for n in reversed(PREFILL_PROBES):
+            q = torch.randn(n, heads, head_dim, generator=g)
+            k, v = torch.randn(2, n, kv_heads, head_dim, generator=g).unbind(0)
+            qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            best = [float("inf")] * 2
+            for r in range(4):  # the first round warms both
+                for path in (0, 1):
+                    t0 = time.perf_counter()
+                    if path:
+                        cpu_kernels.prefill_attention(lib, q, k, v, head_dim ** -0.5)
+                    else:
+                        F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=head_dim ** -0.5,
+                                                       enable_gqa=True)
+                    if r:
+                        best[path] = min(best[path], time.perf_counter() - t0)
+            if best[1] >= 0.95 * best[0]:
+                break
+            start = n
+    _PREFILL_FROM[key] = start
+    return start

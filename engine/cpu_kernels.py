@@ -1,4 +1,5 @@
-"""The few-row CPU kernels of ``cpu_kernels.c``, compiled on the host at first use and called through ctypes.
+"""The CPU kernels of ``cpu_kernels.c`` (few rows) and ``cpu_attention.c`` (prefill attention), compiled on the host
+at first use and called through ctypes.
 
 Why they exist: a decode step reads every weight once for one or a few rows, and library GEMMs at one row read
 memory at a third of what the core can (``cpu_kernels.c`` says how they differ). Whether they are faster is measured
@@ -33,7 +34,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "cpu_attention.c"))  # built as one library
+HEADER = Path(__file__).with_name("cpu_kernels.h")  # the vector helpers both include
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
 OPENMP = ("-fopenmp",)  # tried first: libgomp's soname is the one torch loaded, so the kernels share its threads
 BUILD_TIMEOUT_S = 120.0
@@ -70,7 +72,7 @@ def _cache_dir() -> Path:
 
 def _build(cc: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = SOURCE.read_bytes()
+    source = b"\0".join(f.read_bytes() for f in (*SOURCES, HEADER))
     key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:20]
     out = _cache_dir() / f"duet_cpu_kernels_{key}.so"
@@ -80,7 +82,7 @@ def _build(cc: str, flags: tuple[str, ...]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
@@ -147,6 +149,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.duet_decode_attention_f32.restype = None
     lib.duet_moe_route_f32.argtypes = [_p, _i, _i, _p, _i, _i, ctypes.c_int, _p, _p, _p, _p]
     lib.duet_moe_route_f32.restype = None
+    lib.duet_prefill_attention_scratch.argtypes = [_i, _i, _i]
+    lib.duet_prefill_attention_scratch.restype = _i
+    lib.duet_prefill_attention_f32.argtypes = [_p, _i, _p, _i, _p, _i, _i, _i, _i, _i, _i, ctypes.c_float,
+                                               ctypes.c_int, _p, _p, _i]
+    lib.duet_prefill_attention_f32.restype = None
 
 
 def usable(t: torch.Tensor) -> bool:
@@ -308,3 +315,40 @@ def decode_layer(lib: ctypes.CDLL, x: torch.Tensor, *, eps: float, ln1: torch.Te
         e, kk, int(norm_topk), None if router is None else router.data_ptr(), gate_up.data_ptr(), down.data_ptr(), i,
         None if counts is None else counts.data_ptr(), fs.data_ptr(), iscr.data_ptr(), y.data_ptr())
     return y
+
+
+ATTENTION_MAX_HEAD_DIM = 512  # AD_MAX in cpu_attention.c
+
+
+def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Can :func:`prefill_attention` take these operands as they are (float32 on CPU, each token's heads
+    contiguous, head_dim a multiple of 16 up to :data:`ATTENTION_MAX_HEAD_DIM`, whole query groups)?"""
+    d = q.shape[-1]
+    return (q.dim() == k.dim() == v.dim() == 3 and d % 16 == 0 and d <= ATTENTION_MAX_HEAD_DIM
+            and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0 and k.shape == v.shape and k.shape[2] == d
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride()[1:] == (d, 1)
+                    for t in (q, k, v)))
+
+
+def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                      causal: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [T, H, D] over k, v [C, KVH, D] (``duet_prefill_attention_f32``; query head h reads KV head
+    h // (H // KVH)). Causal: query i sits at position C - T + i and sees keys 0..C - T + i (a prompt chunk after
+    C - T cached tokens); else every query sees every key. The operands may be row slices of wider rows
+    (:func:`prefill_attention_fits`); ``out`` [T, H, D] (each token's heads contiguous) receives the result, else a
+    new tensor. Returns it."""
+    t, h, d = q.shape
+    c, kvh, _ = k.shape
+    if not prefill_attention_fits(q, k, v) or (causal and c < t):
+        raise ValueError(f"prefill_attention: q {tuple(q.shape)} over k {tuple(k.shape)}, v {tuple(v.shape)} "
+                         f"({q.dtype}, {'causal' if causal else 'full'})")
+    if out is None:
+        out = torch.empty(t, h, d, dtype=torch.float32)
+    elif out.shape != q.shape or out.stride()[1:] != (d, 1) or out.dtype != torch.float32:
+        raise ValueError(f"prefill_attention: out {tuple(out.shape)}, strides {out.stride()}")
+    if t == 0:
+        return out
+    kt = torch.empty(lib.duet_prefill_attention_scratch(c, kvh, d), dtype=torch.float32)
+    lib.duet_prefill_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                   t, c, h, kvh, d, scale, int(causal), kt.data_ptr(), out.data_ptr(), out.stride(0))
+    return out

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import engine.cpu_kernels as cpu_kernels
-from engine.attention import AttentionMetadata, DecodeBatch, LayerKV, paged_attention
+from engine.attention import AttentionMetadata, DecodeBatch, LayerKV, choose_prefill_kernel, paged_attention
 from engine.layers import Linear, apply_rotary, rms_norm
 from engine.moe import DenseMlp, SparseMoe
 from engine.text_config import TextConfig
@@ -42,6 +42,7 @@ class Attention(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(self.d))
             self.k_norm = nn.Parameter(torch.ones(self.d))
         self.scale = self.d ** -0.5
+        self.prefill_from = 0  # prompt chunks of this many tokens attend through the compiled kernel (pack_linears)
 
     def qk_norm_weight(self) -> torch.Tensor:
         """[h + kvh, d]: q_norm for the query heads, k_norm for the key heads."""
@@ -59,7 +60,7 @@ class Attention(nn.Module):
             if self.qk_norm:
                 qk = rms_norm(qk, self._qk_w, self.eps)
             qk = apply_rotary(qk, *rope)
-        o = paged_attention(qk[:, : self.h], qk[:, self.h:], v, kv, meta, self.scale)
+        o = paged_attention(qk[:, : self.h], qk[:, self.h:], v, kv, meta, self.scale, self.prefill_from)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
     def finalize(self) -> None:
@@ -72,8 +73,12 @@ class Attention(nn.Module):
         self._v = functools.partial(F.linear, weight=v[0], bias=v[1])
 
     def pack_linears(self, make) -> list:
+        """CPU kernel choice (:func:`engine.cpu_linear.pack_linears`): the projections' kernels, and from which
+        prompt-chunk length the compiled prefill attention runs (measured; in ``auto`` mode only)."""
         qk, v = self._row_blocks()
         self._qk, self._v = make(*qk), make(*v)
+        if make.mode == "auto" and self.qkv_proj.weight.dtype == torch.float32:
+            self.prefill_from = choose_prefill_kernel(self.h, self.kvh, self.d)
         return [self._qk, self._v]
 
     def _row_blocks(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:

@@ -125,12 +125,8 @@ def test_moe_silu_holds_over_the_whole_float_range(tile_min):
     torch.testing.assert_close(got[keep], want[keep], rtol=2e-6, atol=1e-30)
 
 
-@needs_lib
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 instruction-set level")
-def test_kernels_built_without_avx512_equal_the_reference(tmp_path, monkeypatch):
-    """A host without AVX-512 (x86-64-v3: AVX2 + FMA) builds the same source: the few-row loop without its
-    register hints, the tiled MoE GEMM with its narrower tiles; both equal the references (the build itself failed
-    there before)."""
+def avx2_library(tmp_path, monkeypatch):
+    """The kernels built for x86-64-v3 (AVX2 + FMA, no AVX-512), in a cache of their own."""
     import ctypes
     import shutil
 
@@ -139,6 +135,16 @@ def test_kernels_built_without_avx512_equal_the_reference(tmp_path, monkeypatch)
     flags = tuple(f for f in cpu_kernels.FLAGS if not f.startswith("-march")) + ("-march=x86-64-v3", "-Wno-psabi")
     lib = ctypes.CDLL(str(cpu_kernels._build(cc, (*flags, *cpu_kernels.OPENMP))))
     cpu_kernels._declare(lib)
+    return lib
+
+
+@needs_lib
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 instruction-set level")
+def test_kernels_built_without_avx512_equal_the_reference(tmp_path, monkeypatch):
+    """A host without AVX-512 (x86-64-v3: AVX2 + FMA) builds the same source: the few-row loop without its
+    register hints, the tiled MoE GEMM with its narrower tiles; both equal the references (the build itself failed
+    there before)."""
+    lib = avx2_library(tmp_path, monkeypatch)
     g = torch.Generator().manual_seed(11)
     for tokens, top_k, h, i, e in ((50, 3, 100, 52, 5), (40, 2, 64, 32, 2)):
         gate_up, down = torch.randn(e, 2 * i, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
