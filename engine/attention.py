@@ -155,15 +155,16 @@ class LayerKV:
 
 
 PREFILL_PROBES = (16, 128, 512)  # prompt-chunk lengths the compiled prefill kernel is timed at against SDPA
-_PREFILL_FROM: dict[tuple[int, int, int, int], int] = {}  # (heads, kv heads, head_dim, threads) -> the answer
+_PREFILL_FROM: dict[tuple[int, int, int, bool, int], int] = {}  # (heads, kv heads, head_dim, causal, threads) -> it
 
 
-def choose_prefill_kernel(heads: int, kv_heads: int, head_dim: int) -> int:
+def choose_prefill_kernel(heads: int, kv_heads: int, head_dim: int, causal: bool = True) -> int:
     """The shortest prompt chunk from which :func:`paged_attention` runs a chunk's causal attention through the
     compiled kernel (:func:`engine.cpu_kernels.prefill_attention`; 0: never): the smallest of
     :data:`PREFILL_PROBES` at which it ran faster than SDPA by 5%, at it and at every longer probe (best of three,
-    the two alternating, random float32 operands). Timed once per shape and thread count in a process."""
-    key = (heads, kv_heads, head_dim, torch.get_num_threads())
+    the two alternating, random float32 operands). ``causal=False``: the same for full attention over as many keys
+    as queries (a vision tower's frame). Timed once per shape and thread count in a process."""
+    key = (heads, kv_heads, head_dim, causal, torch.get_num_threads())
     if key in _PREFILL_FROM:
         return _PREFILL_FROM[key]
     lib = cpu_kernels.library()
@@ -179,9 +180,9 @@ def choose_prefill_kernel(heads: int, kv_heads: int, head_dim: int) -> int:
                 for path in (0, 1):
                     t0 = time.perf_counter()
                     if path:
-                        cpu_kernels.prefill_attention(lib, q, k, v, head_dim ** -0.5)
+                        cpu_kernels.prefill_attention(lib, q, k, v, head_dim ** -0.5, causal=causal)
                     else:
-                        F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=head_dim ** -0.5,
+                        F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=head_dim ** -0.5,
                                                        enable_gqa=True)
                     if r:
                         best[path] = min(best[path], time.perf_counter() - t0)

@@ -151,7 +151,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.duet_moe_route_f32.restype = None
     lib.duet_prefill_attention_scratch.argtypes = [_i, _i, _i]
     lib.duet_prefill_attention_scratch.restype = _i
-    lib.duet_prefill_attention_f32.argtypes = [_p, _i, _p, _i, _p, _i, _i, _i, _i, _i, _i, ctypes.c_float,
+    lib.duet_prefill_attention_f32.argtypes = [_p, _i, _p, _i, _i, _p, _i, _i, _i, _i, _i, _i, _i, ctypes.c_float,
                                                ctypes.c_int, _p, _p, _i]
     lib.duet_prefill_attention_f32.restype = None
 
@@ -317,25 +317,26 @@ def decode_layer(lib: ctypes.CDLL, x: torch.Tensor, *, eps: float, ln1: torch.Te
     return y
 
 
-ATTENTION_MAX_HEAD_DIM = 512  # AD_MAX in cpu_attention.c
+ATTENTION_MAX_HEAD_DIM = 256  # AD_MAX in cpu_attention.c
 
 
 def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Can :func:`prefill_attention` take these operands as they are (float32 on CPU, each token's heads
-    contiguous, head_dim a multiple of 16 up to :data:`ATTENTION_MAX_HEAD_DIM`, whole query groups)?"""
+    """Can :func:`prefill_attention` take these operands as they are (float32 on CPU, each head's D values
+    contiguous and, in q, a token's heads too; head_dim a multiple of 16 up to :data:`ATTENTION_MAX_HEAD_DIM`, whole
+    query groups)?"""
     d = q.shape[-1]
     return (q.dim() == k.dim() == v.dim() == 3 and d % 16 == 0 and d <= ATTENTION_MAX_HEAD_DIM
             and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0 and k.shape == v.shape and k.shape[2] == d
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride()[1:] == (d, 1)
-                    for t in (q, k, v)))
+            and q.stride()[1:] == (d, 1) and k.stride(2) == 1 and v.stride(2) == 1
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, k, v)))
 
 
 def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
                       causal: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [T, H, D] over k, v [C, KVH, D] (``duet_prefill_attention_f32``; query head h reads KV head
     h // (H // KVH)). Causal: query i sits at position C - T + i and sees keys 0..C - T + i (a prompt chunk after
-    C - T cached tokens); else every query sees every key. The operands may be row slices of wider rows
-    (:func:`prefill_attention_fits`); ``out`` [T, H, D] (each token's heads contiguous) receives the result, else a
+    C - T cached tokens); else every query sees every key. The operands may be row slices of wider rows, and k and
+    v head-major (:func:`prefill_attention_fits`); ``out`` [T, H, D] (each token's heads contiguous) receives the result, else a
     new tensor. Returns it."""
     t, h, d = q.shape
     c, kvh, _ = k.shape
@@ -349,6 +350,6 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     if t == 0:
         return out
     kt = torch.empty(lib.duet_prefill_attention_scratch(c, kvh, d), dtype=torch.float32)
-    lib.duet_prefill_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                   t, c, h, kvh, d, scale, int(causal), kt.data_ptr(), out.data_ptr(), out.stride(0))
+    lib.duet_prefill_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
+                                   v.stride(0), v.stride(1), t, c, h, kvh, d, scale, int(causal), kt.data_ptr(), out.data_ptr(), out.stride(0))
     return out

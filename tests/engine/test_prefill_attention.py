@@ -156,3 +156,46 @@ def test_the_choice_is_measured_once_per_shape(monkeypatch):
     assert first in (0, *attention_mod.PREFILL_PROBES)
     assert attention_mod.choose_prefill_kernel(8, 4, 64) == first and len(attention_mod._PREFILL_FROM) == 1
     assert attention_mod.choose_prefill_kernel(8, 4, 8) == 0  # head_dim the kernel does not take: never timed
+
+
+def _kernel_towers(monkeypatch):
+    """transformers' Qwen3-VL-MoE vision tower (eager attention) and ours with every frame through the kernel."""
+    from engine.models.qwen3_vl.vision import Attention as VisionAttention
+    from tests.engine.test_qwen_vision import SPECS as TOWERS, SMALL, _randomize, QwenVisionConfig, QwenVisionTower
+
+    cfg_cls, model_cls, extra = TOWERS["moe-p16"]
+    ref_cfg = cfg_cls(**SMALL, **extra)
+    ref_cfg._attn_implementation = "eager"
+    ref = model_cls(ref_cfg).eval()
+    _randomize(ref, seed=99)
+    ours = QwenVisionTower(QwenVisionConfig.from_dict(ref_cfg.to_dict())).eval()
+    ours.load_state_dict(ref.state_dict())
+    for m in ours.modules():
+        if isinstance(m, VisionAttention):
+            m.kernel_from = 1
+    calls: list[int] = []
+    monkeypatch.setattr(cpu_kernels, "prefill_attention",
+                        lambda lib, q, *a, **kw: calls.append(q.shape[0]) or PREFILL(lib, q, *a, **kw))
+    return ref, ours, calls
+
+
+def test_vision_tower_equals_transformers_through_the_kernel(monkeypatch):
+    """Frames of several sizes in one call (a 2-frame video among them), whole and run by rows in pieces: features
+    and DeepStack levels equal transformers'."""
+    from tests.engine.test_qwen_vision import _assert_matches, _run_both
+
+    ref, ours, calls = _kernel_towers(monkeypatch)
+    grids = [(1, 12, 10), (2, 4, 4), (1, 2, 8)]
+    want, got = _run_both(ref, ours, grids, seed=3)
+    _assert_matches(got, want)
+    assert sorted(set(calls)) == [16, 120]  # every frame's attention went through the kernel
+    calls.clear()
+    g = torch.Generator().manual_seed(3)
+    px = torch.randn(sum(t * h * w for t, h, w in grids), ours.cfg.patch_dim, generator=g)
+    with torch.no_grad():
+        job = ours.start(px, torch.tensor(grids))
+        while not ours.advance(job, rows=37):
+            pass
+        feats, deepstack = ours.finish(job)
+    _assert_matches((feats, deepstack), want)
+    assert calls and max(calls) <= 37

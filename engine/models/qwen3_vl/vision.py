@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import engine.cpu_kernels as cpu_kernels
+from engine.attention import choose_prefill_kernel
 from engine.layers import ACTIVATIONS, Linear, apply_rotary
 from engine.models.qwen3_vl.config import QwenVisionConfig
 
@@ -49,6 +51,23 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.kernel_from = 0  # frames of at least this many patches attend through the compiled kernel
+
+    def pack_linears(self, make) -> list:
+        """CPU kernel choice (:func:`engine.cpu_linear.pack_linears`): from which frame length a frame's attention
+        runs through the compiled kernel (:func:`engine.cpu_kernels.prefill_attention`, full attention) instead of
+        SDPA, measured at load; float32 in ``auto`` mode only."""
+        if make.mode == "auto" and self.qkv.weight.dtype == torch.float32:
+            self.kernel_from = choose_prefill_kernel(self.num_heads, self.num_heads, self.head_dim, causal=False)
+        return []
+
+    def _kernel(self, n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
+        """out [m, heads, head_dim] = q's m rows attending to a frame's n keys k, v (token-major views) through the
+        compiled kernel, where it was chosen for frames of n patches and takes the layouts; False: not run."""
+        if not 0 < self.kernel_from <= n or not cpu_kernels.prefill_attention_fits(q, k, v):
+            return False
+        cpu_kernels.prefill_attention(cpu_kernels.library(), q, k, v, self.head_dim ** -0.5, causal=False, out=out)
+        return True
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                 segments: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -56,6 +75,11 @@ class Attention(nn.Module):
         h = self.num_heads
         out = []
         for start, frames, n in segments:  # `frames` frames of `n` tokens each, attended frame by frame
+            o = torch.empty(frames * n, h, self.head_dim, dtype=x.dtype)
+            if all(self._kernel(n, *(y[start + f * n:start + (f + 1) * n] for y in (q, k, v)), o[f * n:(f + 1) * n])
+                   for f in range(frames)):
+                out.append(o.view(frames * n, -1))
+                continue
             # contiguous [frames, heads, n, head_dim]: the CPU flash kernel runs ~6% faster than on strided views
             q_, k_, v_ = (y[start:start + frames * n].view(frames, n, h, self.head_dim).transpose(1, 2).contiguous()
                           for y in (q, k, v))
@@ -82,6 +106,10 @@ class Attention(nn.Module):
                 lo, hi = start + f * n, start + (f + 1) * n
                 a, b = max(lo, r0), min(hi, r1)
                 if a >= b:
+                    continue
+                o = torch.empty(b - a, self.num_heads, self.head_dim, dtype=q.dtype)
+                if self._kernel(n, q[a:b], k[:, lo:hi].transpose(0, 1), v[:, lo:hi].transpose(0, 1), o):
+                    out.append(o.view(b - a, -1))
                     continue
                 q_ = q[a:b].unsqueeze(0).transpose(1, 2).contiguous()
                 k_, v_ = (y[:, lo:hi].unsqueeze(0) for y in (k, v))  # [heads, tokens, head_dim] once per block
