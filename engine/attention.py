@@ -155,14 +155,18 @@ class LayerKV:
 
 
 PREFILL_PROBES = (16, 128, 512)  # prompt-chunk lengths the compiled prefill kernel is timed at against SDPA
+# timed runs of each at a probe, best taken: workers load side by side, and with three the choice flipped between
+# loads of one checkpoint on a 2-core host (a vision frame's kernel at 512 patches in one load, never in the next,
+# where quiet runs had it 1.7x faster)
+PREFILL_REPS = 7
 _PREFILL_FROM: dict[tuple[int, int, int, bool, int], int] = {}  # (heads, kv heads, head_dim, causal, threads) -> it
 
 
 def choose_prefill_kernel(heads: int, kv_heads: int, head_dim: int, causal: bool = True) -> int:
     """The shortest prompt chunk from which :func:`paged_attention` runs a chunk's causal attention through the
     compiled kernel (:func:`engine.cpu_kernels.prefill_attention`; 0: never): the smallest of
-    :data:`PREFILL_PROBES` at which it ran faster than SDPA by 5%, at it and at every longer probe (best of three,
-    the two alternating, random float32 operands). ``causal=False``: the same for full attention over as many keys
+    :data:`PREFILL_PROBES` at which it ran faster than SDPA by 5%, at it and at every longer probe (best of
+    :data:`PREFILL_REPS`, the two alternating, random float32 operands). ``causal=False``: the same for full attention over as many keys
     as queries (a vision tower's frame). Timed once per shape and thread count in a process."""
     key = (heads, kv_heads, head_dim, causal, torch.get_num_threads())
     if key in _PREFILL_FROM:
@@ -176,7 +180,7 @@ def choose_prefill_kernel(heads: int, kv_heads: int, head_dim: int, causal: bool
             k, v = torch.randn(2, n, kv_heads, head_dim, generator=g).unbind(0)
             qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             best = [float("inf")] * 2
-            for r in range(4):  # the first round warms both
+            for r in range(PREFILL_REPS + 1):  # the first round warms both
                 for path in (0, 1):
                     t0 = time.perf_counter()
                     if path:

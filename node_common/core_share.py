@@ -63,6 +63,14 @@ class CoreShare:
             return None
         return time.monotonic(), machine[0], machine[1], own
 
+    def idle(self) -> None:
+        """The worker has no work: its next step starts a new window with every thread. A window that spans the
+        idle time says what the machine did while nothing was waiting here -- often the front-end preparing the very
+        request that ends the wait (a 1024² image: 0.3 s of decoding and resizing) -- not what it does now; judged by
+        it, an image's whole vision step (one step, seconds) ran on one thread of two on an otherwise idle host."""
+        self._last = None
+        self._answer = self.num_threads
+
     def threads(self) -> int:
         """Threads for the next step: ``num_threads`` less the cores the rest of the machine kept busy (each at
         least :data:`BUSY_SHARE` of the window since the last reading), at least one."""
@@ -74,6 +82,9 @@ class CoreShare:
         reading = self._read()
         if reading is None:
             return self.num_threads
+        if self._last is None:  # the first reading after idle() (or construction): a window starts here
+            self._last = reading
+            return self._answer
         if self._last is not None:
             _, busy0, total0, own0 = self._last
             _, busy1, total1, own1 = reading

@@ -138,5 +138,7 @@ class PrefillActor(WorkerActorBase):
                             self.worker.abort(rid, "prefill step failed")
             self.lock.give_way()  # a submit that waited for this step goes before the next one
             if not busy:
+                if share is not None:
+                    share.idle()
                 self.wake.wait(0.05)
                 self.wake.clear()

@@ -75,3 +75,17 @@ def test_the_real_proc_reads():
     assert 1 <= share.threads() <= 2
     assert core_share._machine_busy_ticks() is not None and core_share._own_ticks() >= 0
 
+
+
+def test_after_idle_the_next_step_gets_every_thread(monkeypatch):
+    """A window spanning the worker's idle time (others busy then: a front-end preparing the request that ends the
+    wait) does not hold the next step to fewer threads; the window after it is judged again."""
+    proc = FakeProc(monkeypatch, 2)
+    share = CoreShare(2)
+    proc.advance(0.1, others=0.0, own=2.0)
+    assert share.threads() == 2
+    share.idle()
+    proc.advance(0.5, others=1.0, own=0.0)  # the front-end's burst while this worker waited
+    assert share.threads() == 2
+    proc.advance(0.1, others=1.0, own=1.0)  # a decode worker stepping beside the step
+    assert share.threads() == 1
