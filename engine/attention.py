@@ -155,43 +155,50 @@ class LayerKV:
 
 
 PREFILL_PROBES = (16, 128, 512)  # prompt-chunk lengths the compiled prefill kernel is timed at against SDPA
-# timed runs of each at a probe, best taken: workers load side by side, and with three the choice flipped between
-# loads of one checkpoint on a 2-core host (a vision frame's kernel at 512 patches in one load, never in the next,
-# where quiet runs had it 1.7x faster)
-PREFILL_REPS = 7
-_PREFILL_FROM: dict[tuple[int, int, int, bool, int], int] = {}  # (heads, kv heads, head_dim, causal, threads) -> it
+PREFILL_REPS = 7  # timed runs of each path at a probe, the best taken
+_PREFILL_FROM: dict[tuple[int, int, int, bool], int] = {}  # (heads, kv heads, head_dim, causal) -> the answer
 
 
 def choose_prefill_kernel(heads: int, kv_heads: int, head_dim: int, causal: bool = True) -> int:
     """The shortest prompt chunk from which :func:`paged_attention` runs a chunk's causal attention through the
     compiled kernel (:func:`engine.cpu_kernels.prefill_attention`; 0: never): the smallest of
     :data:`PREFILL_PROBES` at which it ran faster than SDPA by 5%, at it and at every longer probe (best of
-    :data:`PREFILL_REPS`, the two alternating, random float32 operands). ``causal=False``: the same for full attention over as many keys
-    as queries (a vision tower's frame). Timed once per shape and thread count in a process."""
-    key = (heads, kv_heads, head_dim, causal, torch.get_num_threads())
+    :data:`PREFILL_REPS`, the two alternating, random float32 operands). ``causal=False``: the same for full
+    attention over as many keys as queries (a vision tower's frame). Timed once per shape in a process, on one
+    thread: both split the same (head, query block) work over threads, so one thread ranks them as several do (AMD
+    EPYC: 2.5 / 3.0x at 128 / 512 causal tokens on one thread, 2.9 / 3.3x on two), and a thread of a team that
+    another process preempts stalls the whole team -- timed on two threads while the other worker of a 2-core host
+    loaded, the choice flipped between loads (the vision kernel never taken in one, where quiet runs had it 1.7x
+    faster); on one thread the same contention left it unchanged."""
+    key = (heads, kv_heads, head_dim, causal)
     if key in _PREFILL_FROM:
         return _PREFILL_FROM[key]
     lib = cpu_kernels.library()
     g = torch.Generator().manual_seed(0)
     start = 0
-    if lib is not None and heads % kv_heads == 0 and head_dim % 16 == 0:
-        for n in reversed(PREFILL_PROBES):
-            q = torch.randn(n, heads, head_dim, generator=g)
-            k, v = torch.randn(2, n, kv_heads, head_dim, generator=g).unbind(0)
-            qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            best = [float("inf")] * 2
-            for r in range(PREFILL_REPS + 1):  # the first round warms both
-                for path in (0, 1):
-                    t0 = time.perf_counter()
-                    if path:
-                        cpu_kernels.prefill_attention(lib, q, k, v, head_dim ** -0.5, causal=causal)
-                    else:
-                        F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=head_dim ** -0.5,
-                                                       enable_gqa=True)
-                    if r:
-                        best[path] = min(best[path], time.perf_counter() - t0)
-            if best[1] >= 0.95 * best[0]:
-                break
-            start = n
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if lib is not None and heads % kv_heads == 0 and head_dim % 16 == 0:
+            for n in reversed(PREFILL_PROBES):
+                q = torch.randn(n, heads, head_dim, generator=g)
+                k, v = torch.randn(2, n, kv_heads, head_dim, generator=g).unbind(0)
+                qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+                best = [float("inf")] * 2
+                for r in range(PREFILL_REPS + 1):  # the first round warms both
+                    for path in (0, 1):
+                        t0 = time.perf_counter()
+                        if path:
+                            cpu_kernels.prefill_attention(lib, q, k, v, head_dim ** -0.5, causal=causal)
+                        else:
+                            F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=head_dim ** -0.5,
+                                                           enable_gqa=True)
+                        if r:
+                            best[path] = min(best[path], time.perf_counter() - t0)
+                if best[1] >= 0.95 * best[0]:
+                    break
+                start = n
+    finally:
+        torch.set_num_threads(threads)
     _PREFILL_FROM[key] = start
     return start

@@ -152,7 +152,13 @@ def test_library_only_modes_never_take_it(tiny_ckpt, monkeypatch, mode):
 
 def test_the_choice_is_measured_once_per_shape(monkeypatch):
     monkeypatch.setattr(attention_mod, "_PREFILL_FROM", {})
-    first = attention_mod.choose_prefill_kernel(8, 4, 64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        first = attention_mod.choose_prefill_kernel(8, 4, 64)
+        assert torch.get_num_threads() == 2  # timed on one thread, the caller's count given back
+    finally:
+        torch.set_num_threads(threads)
     assert first in (0, *attention_mod.PREFILL_PROBES)
     assert attention_mod.choose_prefill_kernel(8, 4, 64) == first and len(attention_mod._PREFILL_FROM) == 1
     assert attention_mod.choose_prefill_kernel(8, 4, 8) == 0  # head_dim the kernel does not take: never timed
