@@ -179,7 +179,7 @@ def choose_prefill_kernel(heads: int, kv_heads: int, head_dim: int, causal: bool
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        if lib is not None and heads % kv_heads == 0 and head_dim % 16 == 0:
+        if lib is not None and heads % kv_heads == 0 and head_dim <= cpu_kernels.ATTENTION_MAX_HEAD_DIM:
             for n in reversed(PREFILL_PROBES):
                 q = torch.randn(n, heads, head_dim, generator=g)
                 k, v = torch.randn(2, n, kv_heads, head_dim, generator=g).unbind(0)

@@ -22,8 +22,10 @@
 #define AD_MAX 256       /* the largest head_dim taken (the caller checks) */
 #define ATT_PAR_MIN (1 << 20) /* multiply-adds below which one thread runs it all */
 
+/* Scratch floats: the transposed keys, and for a head_dim that is not a multiple of VW the values padded to one. */
 int64_t duet_prefill_attention_scratch(int64_t C, int64_t KVH, int64_t D) {
-    return KVH * D * ((C + AK - 1) / AK * AK);
+    const int64_t Cp = (C + AK - 1) / AK * AK, Dp = (D + VW - 1) / VW * VW;
+    return KVH * D * Cp + (D % VW ? KVH * C * Dp : 0);
 }
 
 /* kt [KVH][D][Cp] from k [C, KVH, D] (rows ldk floats apart, heads skh); keys C..Cp-1 are zero. */
@@ -37,21 +39,24 @@ static void transpose_keys(const float *k, int64_t ldk, int64_t skh, int64_t C, 
         const int64_t j = t / nc, c0 = (t % nc) * VW, rows = C - c0 < VW ? (C - c0 > 0 ? C - c0 : 0) : VW;
         for (int64_t d = 0; d < nd; d++)
             transpose_block(k + c0 * ldk + j * skh + d * VW, ldk, rows, kt + (j * D + d * VW) * Cp + c0, Cp, VW);
+        for (int64_t d = nd * VW; d < D; d++) /* a head_dim that is not a multiple of VW: the last dimensions */
+            for (int64_t c = c0; c < c0 + VW; c++) kt[(j * D + d) * Cp + c] = c < C ? k[c * ldk + j * skh + d] : 0.f;
     }
 }
 
 /* One task: rows qr[r] (r < n <= RB, D floats each) over keys 0..lim[r] of one KV head (ktj: its transposed keys,
-   vj: its values, rows ldv apart), written normalized to orow[r]. Key block by key block, so each block's keys and
+   vj: its values, rows ldv apart and Dv >= D floats read of each, a multiple of VW: the values beyond D are zero),
+   written normalized to orow[r] (D floats). Key block by key block, so each block's keys and
    values are read from memory once for all RB rows (a tile of AQ rows at a time, in L1). */
 static void attend_rows(const float *const *qr, float *const *orow, const int64_t *lim, int n, const float *ktj,
-                        int64_t Cp, const float *vj, int64_t ldv, int64_t D, float scale) {
+                        int64_t Cp, const float *vj, int64_t ldv, int64_t D, int64_t Dv, float scale) {
     static __thread float o[RB][AD_MAX], p[AQ][AK];
     float m[RB], l[RB];
     int64_t kmax = 0;
     for (int r = 0; r < n; r++) {
         m[r] = -INFINITY;
         l[r] = 0.f;
-        memset(o[r], 0, D * sizeof(float));
+        memset(o[r], 0, Dv * sizeof(float));
         if (lim[r] + 1 > kmax) kmax = lim[r] + 1;
     }
     const ivec iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -110,7 +115,7 @@ static void attend_rows(const float *const *qr, float *const *orow, const int64_
             }
             const int64_t nk = tile_lim + 1 - kb < AK ? tile_lim + 1 - kb : AK;
             int64_t dc = 0;
-            for (; dc + 4 * VW <= D; dc += 4 * VW) {
+            for (; dc + 4 * VW <= Dv; dc += 4 * VW) {
                 vec acc[AQ][4];
                 _Pragma("GCC unroll 8") for (int a = 0; a < AQ; a++) {
                     const vec al = splat(alpha[a]);
@@ -132,7 +137,7 @@ static void attend_rows(const float *const *qr, float *const *orow, const int64_
                         _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
                             memcpy(o[row[a]] + dc + c * VW, &acc[a][c], sizeof(vec));
             }
-            for (; dc < D; dc += VW) { /* head_dim not a multiple of 64: one vector at a time */
+            for (; dc < Dv; dc += VW) { /* head_dim not a multiple of 64: one vector at a time */
                 vec acc[AQ];
                 for (int a = 0; a < AQ; a++) acc[a] = load(o[row[a]] + dc) * splat(alpha[a]);
                 const float *vr = vj + kb * ldv + dc;
@@ -147,24 +152,37 @@ static void attend_rows(const float *const *qr, float *const *orow, const int64_
     }
     for (int r = 0; r < n; r++) {
         const vec inv = splat(1.f / l[r]);
-        for (int64_t dc = 0; dc < D; dc += VW) {
+        int64_t dc = 0;
+        for (; dc + VW <= D; dc += VW) {
             const vec x = load(o[r] + dc) * inv;
             memcpy(orow[r] + dc, &x, sizeof x);
         }
+        for (; dc < D; dc++) orow[r][dc] = o[r][dc] * inv[0];
     }
 }
 
 /* out [T, H, D] (rows ldo floats apart) = softmax(q k^T * scale) v for q [T, H, D] (rows ldq apart) over C keys and
    values k, v [C, KVH, D] (rows ldk / ldv apart, heads skh / svh); query head h reads KV head h / (H / KVH). Causal:
    query i sits at position C - T + i and sees keys 0..C - T + i (C >= T, the caller checks); else every query sees
-   every key. D a multiple of VW, at most AD_MAX. kt: duet_prefill_attention_scratch(C, KVH, D) floats. With OpenMP the tasks are
-   shared among the caller's threads when there is enough work. */
+   every key. D at most AD_MAX. kt: duet_prefill_attention_scratch(C, KVH, D) floats. With OpenMP the tasks are shared
+   among the caller's threads when there is enough work. */
 void duet_prefill_attention_f32(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t skh, const float *v,
                                 int64_t ldv, int64_t svh, int64_t T, int64_t C, int64_t H, int64_t KVH, int64_t D,
                                 float scale, int causal, float *kt, float *out, int64_t ldo) {
     const int64_t G = H / KVH, R = T * G, Cp = (C + AK - 1) / AK * AK, ntasks = (R + RB - 1) / RB;
     const int par = T * C * H * D / (causal ? 2 : 1) >= ATT_PAR_MIN;
     transpose_keys(k, ldk, skh, C, KVH, D, Cp, kt, par);
+    const int64_t Dv = (D + VW - 1) / VW * VW;
+    if (D != Dv) { /* the values padded to whole vectors, so the p @ V sums stay vectors */
+        float *vp = kt + KVH * D * Cp;
+        for (int64_t j = 0; j < KVH; j++)
+            for (int64_t c = 0; c < C; c++) {
+                float *row = vp + (j * C + c) * Dv;
+                memcpy(row, v + c * ldv + j * svh, D * sizeof(float));
+                memset(row + D, 0, (Dv - D) * sizeof(float));
+            }
+        v = vp, ldv = Dv, svh = C * Dv;
+    }
 #ifdef _OPENMP
 #pragma omp parallel for schedule(dynamic, 1) if (par)
 #endif
@@ -181,6 +199,6 @@ void duet_prefill_attention_f32(const float *q, int64_t ldq, const float *k, int
             orow[a] = out + i * ldo + h * D;
             lim[a] = causal ? C - T + i : C - 1;
         }
-        attend_rows(qr, orow, lim, n, kt + j * D * Cp, Cp, v + j * svh, ldv, D, scale);
+        attend_rows(qr, orow, lim, n, kt + j * D * Cp, Cp, v + j * svh, ldv, D, Dv, scale);
     }
 }

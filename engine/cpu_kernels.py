@@ -322,10 +322,9 @@ ATTENTION_MAX_HEAD_DIM = 256  # AD_MAX in cpu_attention.c
 
 def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Can :func:`prefill_attention` take these operands as they are (float32 on CPU, each head's D values
-    contiguous and, in q, a token's heads too; head_dim a multiple of 16 up to :data:`ATTENTION_MAX_HEAD_DIM`, whole
-    query groups)?"""
+    contiguous and, in q, a token's heads too; head_dim up to :data:`ATTENTION_MAX_HEAD_DIM`, whole query groups)?"""
     d = q.shape[-1]
-    return (q.dim() == k.dim() == v.dim() == 3 and d % 16 == 0 and d <= ATTENTION_MAX_HEAD_DIM
+    return (q.dim() == k.dim() == v.dim() == 3 and 0 < d <= ATTENTION_MAX_HEAD_DIM
             and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0 and k.shape == v.shape and k.shape[2] == d
             and q.stride()[1:] == (d, 1) and k.stride(2) == 1 and v.stride(2) == 1
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, k, v)))
@@ -336,8 +335,8 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     """Attention of q [T, H, D] over k, v [C, KVH, D] (``duet_prefill_attention_f32``; query head h reads KV head
     h // (H // KVH)). Causal: query i sits at position C - T + i and sees keys 0..C - T + i (a prompt chunk after
     C - T cached tokens); else every query sees every key. The operands may be row slices of wider rows, and k and
-    v head-major (:func:`prefill_attention_fits`); ``out`` [T, H, D] (each token's heads contiguous) receives the result, else a
-    new tensor. Returns it."""
+    v head-major (:func:`prefill_attention_fits`); ``out`` [T, H, D] (each token's heads contiguous) receives the
+    result, else a new tensor. Returns it."""
     t, h, d = q.shape
     c, kvh, _ = k.shape
     if not prefill_attention_fits(q, k, v) or (causal and c < t):
@@ -351,5 +350,6 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
         return out
     kt = torch.empty(lib.duet_prefill_attention_scratch(c, kvh, d), dtype=torch.float32)
     lib.duet_prefill_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
-                                   v.stride(0), v.stride(1), t, c, h, kvh, d, scale, int(causal), kt.data_ptr(), out.data_ptr(), out.stride(0))
+                                   v.stride(0), v.stride(1), t, c, h, kvh, d, scale, int(causal), kt.data_ptr(),
+                                   out.data_ptr(), out.stride(0))
     return out

@@ -33,7 +33,9 @@ def _sdpa(q, k, v, scale, causal):
 
 @pytest.mark.parametrize("t,c,h,kvh,d", [(1, 1, 4, 2, 16), (3, 3, 8, 4, 64), (70, 70, 8, 4, 64), (65, 65, 2, 1, 32),
                                          (33, 100, 8, 2, 128), (17, 17, 4, 4, 16), (64, 200, 6, 3, 48),
-                                         (130, 257, 12, 4, 80), (5, 129, 16, 1, 64)])
+                                         (130, 257, 12, 4, 80), (5, 129, 16, 1, 64),
+                                         # head_dims that are not whole vectors (Qwen3-VL's vision tower: 72)
+                                         (70, 70, 8, 4, 72), (33, 100, 4, 2, 40), (17, 17, 2, 2, 8), (9, 20, 3, 1, 24)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_equals_sdpa(t, c, h, kvh, d, causal):
     g = torch.Generator().manual_seed(t * 1000 + c)
@@ -68,7 +70,7 @@ def test_large_scores_stay_finite():
 
 def test_refuses_what_it_cannot_read():
     q, k = torch.randn(4, 4, 16), torch.randn(4, 2, 16)
-    for args in ((torch.randn(4, 4, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8)),  # head_dim not a multiple of 16
+    for args in ((torch.randn(4, 4, 272), torch.randn(4, 2, 272), torch.randn(4, 2, 272)),  # head_dim over 256
                  (torch.randn(4, 3, 16), k, k),  # 3 query heads over 2 KV heads
                  (q.double(), k.double(), k.double()),
                  (q, torch.randn(3, 2, 16), torch.randn(3, 2, 16)),  # causal with fewer keys than queries
@@ -161,16 +163,16 @@ def test_the_choice_is_measured_once_per_shape(monkeypatch):
         torch.set_num_threads(threads)
     assert first in (0, *attention_mod.PREFILL_PROBES)
     assert attention_mod.choose_prefill_kernel(8, 4, 64) == first and len(attention_mod._PREFILL_FROM) == 1
-    assert attention_mod.choose_prefill_kernel(8, 4, 8) == 0  # head_dim the kernel does not take: never timed
+    assert attention_mod.choose_prefill_kernel(8, 4, 272) == 0  # head_dim the kernel does not take: never timed
 
 
-def _kernel_towers(monkeypatch):
+def _kernel_towers(monkeypatch, **size):
     """transformers' Qwen3-VL-MoE vision tower (eager attention) and ours with every frame through the kernel."""
     from engine.models.qwen3_vl.vision import Attention as VisionAttention
     from tests.engine.test_qwen_vision import SPECS as TOWERS, SMALL, _randomize, QwenVisionConfig, QwenVisionTower
 
     cfg_cls, model_cls, extra = TOWERS["moe-p16"]
-    ref_cfg = cfg_cls(**SMALL, **extra)
+    ref_cfg = cfg_cls(**(SMALL | size), **extra)
     ref_cfg._attn_implementation = "eager"
     ref = model_cls(ref_cfg).eval()
     _randomize(ref, seed=99)
@@ -185,12 +187,13 @@ def _kernel_towers(monkeypatch):
     return ref, ours, calls
 
 
-def test_vision_tower_equals_transformers_through_the_kernel(monkeypatch):
+@pytest.mark.parametrize("size", [{}, {"hidden_size": 144, "num_heads": 2}], ids=["head_dim16", "head_dim72"])
+def test_vision_tower_equals_transformers_through_the_kernel(monkeypatch, size):
     """Frames of several sizes in one call (a 2-frame video among them), whole and run by rows in pieces: features
-    and DeepStack levels equal transformers'."""
+    and DeepStack levels equal transformers' (head_dim 72 as in the released towers)."""
     from tests.engine.test_qwen_vision import _assert_matches, _run_both
 
-    ref, ours, calls = _kernel_towers(monkeypatch)
+    ref, ours, calls = _kernel_towers(monkeypatch, **size)
     grids = [(1, 12, 10), (2, 4, 4), (1, 2, 8)]
     want, got = _run_both(ref, ours, grids, seed=3)
     _assert_matches(got, want)
