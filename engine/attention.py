@@ -86,26 +86,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     out = torch.empty_like(q)
     for span in meta.prefills:
         s, e = span.start, span.start + span.length
-        if 0 < prefill_from <= span.length:
-            ks, vs = ((k[s:e], v[s:e]) if span.block_table is None else
-                      (k_cache[span.block_table].view(-1, kvh, d)[: span.context_len],
-                       v_cache[span.block_table].view(-1, kvh, d)[: span.context_len]))
-            if cpu_kernels.prefill_attention_fits(q, ks, vs):
-                cpu_kernels.prefill_attention(cpu_kernels.library(), q[s:e], ks, vs, scale, out=out[s:e])
-                if span.capture is not None and meta.captured is not None:
-                    meta.captured[span.capture] = q[max(s, e - meta.query_window):e].clone()
-                continue
-        qs = q[s:e].transpose(0, 1).unsqueeze(0)
         if span.block_table is None:
             ks, vs = k[s:e], v[s:e]
-            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                                               is_causal=True, scale=scale, enable_gqa=True)
         else:
             ks = k_cache[span.block_table].view(-1, kvh, d)[: span.context_len]
             vs = v_cache[span.block_table].view(-1, kvh, d)[: span.context_len]
-            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                                               attn_mask=span.mask, scale=scale, enable_gqa=True)
-        out[s:e] = o.squeeze(0).transpose(0, 1)
+        if 0 < prefill_from <= span.length and cpu_kernels.prefill_attention_fits(q, ks, vs):
+            cpu_kernels.prefill_attention(cpu_kernels.library(), q[s:e], ks, vs, scale, out=out[s:e])
+        else:
+            causal = {"is_causal": True} if span.block_table is None else {"attn_mask": span.mask}
+            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
+                                               vs.transpose(0, 1).unsqueeze(0), scale=scale, enable_gqa=True, **causal)
+            out[s:e] = o.squeeze(0).transpose(0, 1)
         if span.capture is not None and meta.captured is not None:
             meta.captured[span.capture] = q[max(s, e - meta.query_window):e].clone()
     if dec is not None:

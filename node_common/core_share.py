@@ -66,8 +66,9 @@ class CoreShare:
     def idle(self) -> None:
         """The worker has no work: its next step starts a new window with every thread. A window that spans the
         idle time says what the machine did while nothing was waiting here -- often the front-end preparing the very
-        request that ends the wait (a 1024² image: 0.3 s of decoding and resizing) -- not what it does now; judged by
-        it, an image's whole vision step (one step, seconds) ran on one thread of two on an otherwise idle host."""
+        request that ends the wait (a 1024² image: 0.3 s of decoding and resizing) -- not what it does now. (Its
+        effect on served figures was not measured apart: the slow vision steps that prompted it turned out to be the
+        attention kernel's choice, engine.attention.choose_prefill_kernel.)"""
         self._last = None
         self._answer = self.num_threads
 
@@ -85,15 +86,14 @@ class CoreShare:
         if self._last is None:  # the first reading after idle() (or construction): a window starts here
             self._last = reading
             return self._answer
-        if self._last is not None:
-            _, busy0, total0, own0 = self._last
-            _, busy1, total1, own1 = reading
-            if total1 > total0:
-                cores_in_window = (total1 - total0) / self.cores  # ticks of one core over the window
-                others = max(0.0, (busy1 - busy0) - (own1 - own0)) / cores_in_window
-                self.last_others = others
-                taken = int(others + 1.0 - BUSY_SHARE)  # cores others kept busy for BUSY_SHARE of the window or more
-                self._answer = max(1, min(self.num_threads, self.cores - taken))
+        _, busy0, total0, own0 = self._last
+        _, busy1, total1, own1 = reading
+        if total1 > total0:
+            cores_in_window = (total1 - total0) / self.cores  # ticks of one core over the window
+            others = max(0.0, (busy1 - busy0) - (own1 - own0)) / cores_in_window
+            self.last_others = others
+            taken = int(others + 1.0 - BUSY_SHARE)  # cores others kept busy for BUSY_SHARE of the window or more
+            self._answer = max(1, min(self.num_threads, self.cores - taken))
         self._last = reading
         return self._answer
 
