@@ -4,7 +4,7 @@ plus packing the decode worker's ``allocate`` and the prefill worker's ``submit`
 
     python -m duet_bench.prompt_cpu [--iters 30] [--json out.json]
 
-Cases: the demo model (LLaVA, SigLIP 96 px) with a 640x480 JPEG and a 96x96 PIL image; the tiny Qwen3-VL checkpoint
+Cases: the demo model (Qwen3-VL-MoE, 128^2 to 224^2 px) with a 640x480 JPEG and a 96x96 PIL image; the tiny Qwen3-VL checkpoint
 (max 128x128 px) and the same with a serving-size ``max_pixels`` (1280 x 28 x 28) on the 640x480 JPEG.
 """
 
@@ -82,7 +82,7 @@ def cases(tmp: Path) -> dict[str, tuple[str, dict]]:
     jpeg = photo(480, 640)
     small = PIL.Image.open(io.BytesIO(photo(96, 96))).convert("RGB")
     ask = lambda im: {"prompt": "describe <image> please", "multi_modal_data": {"image": [im]}}  # noqa: E731
-    return {"demo-llava 640x480 jpeg": (str(DEMO), ask(jpeg)), "demo-llava 96x96 PIL": (str(DEMO), ask(small)),
+    return {"demo 640x480 jpeg": (str(DEMO), ask(jpeg)), "demo 96x96 PIL": (str(DEMO), ask(small)),
             "qwen3-vl tiny (max 128x128 px) 640x480 jpeg": (str(qwen), ask(jpeg)),
             "qwen3-vl (max 1280x28x28 px) 640x480 jpeg": (str(big), ask(jpeg))}
 

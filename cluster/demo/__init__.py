@@ -1,9 +1,11 @@
 """The demo model, the embedded default of every command when no model directory is given.
 
-A small LLaVA (SigLIP-style tower + Qwen3-MoE, 8 experts, top-2) trained on :mod:`duet_testing.demo_tasks` by
+A small Qwen3-VL-MoE (native-resolution vision tower with DeepStack, MoE text model with 8 experts and top-2
+routing, interleaved M-RoPE, the released checkpoints' layout) trained on :mod:`duet_testing.demo_tasks` by
 :mod:`scripts.demo.train`, shipped in ``cluster/demo/model`` and installed with the package. It answers questions
-about images of shapes ("What color is the triangle?"), so a first run shows a right answer and benchmarks can report
-task accuracy. Models built on demand (the bench model) are cached under ``$DUET_HOME/models``
+about images of shapes of any size ("What color is the triangle?"), so a first run shows a right answer through the
+flagship path and benchmarks can report task accuracy. (The LLaVA demo it replaced is a test fixture,
+``tests/fixtures/llava_demo``.) Models built on demand (the bench model) are cached under ``$DUET_HOME/models``
 (default ``~/.cache/duet/models``).
 """
 

@@ -1,14 +1,18 @@
 """Train the demo model from a seed: ``python -m scripts.demo.train OUT_DIR [--steps N] [--seed S]``.
 
-A LLaVA model (a small SigLIP-style tower + Qwen3-MoE text model, 8 experts, top-2) trained with transformers'
-``LlavaForConditionalGeneration`` on :mod:`duet_testing.demo_tasks`: each training sequence is one scene with 1-4
-question/answer turns (or one two-image comparison), loss on the answer tokens only, plus two training-only
-probes that are not saved: :class:`CellProbe` (what each grid cell holds, read from the projected visual tokens) and
-:class:`MatchProbe` (which cell the first question asks about, read from the text model's hidden states at the visual
-tokens, which follow the question in the chat template). Without them the answers alone teach the vision tower
-slowly and colour / place answers stay near chance between the shapes of a scene (81% held-out after 5000 steps,
-against 99% with them). Deterministic for a seed on a given machine and thread count. Writes a standard Hugging Face checkpoint (config, safetensors, tokenizer,
-preprocessor and generation config) plus ``train_log.jsonl``.
+A Qwen3-VL-MoE model -- a native-resolution vision tower (16-pixel patches, 2x2 merge, DeepStack levels into the first
+text layers) and a MoE text model (8 experts, top-2, interleaved M-RoPE) -- trained with transformers'
+``Qwen3VLMoeForConditionalGeneration`` on :mod:`duet_testing.demo_tasks` in its ``varied`` style (canvases from 48 to
+360 pixels a side at any aspect ratio up to 2.5:1, so an image's visual-token count varies from 12 to 36 after the
+processor's resize to 112^2-192^2 pixels). Each training sequence is one scene with 1-4 question/answer turns (or one two-image
+comparison), loss on the answer tokens only, plus two training-only probes that are not saved:
+:class:`TokenProbe` (from each merged visual token: the shape kind and colour over it and the third of the image it
+lies in; from the mean of a shape's tokens, its kind) and :class:`MatchProbe` (which visual token holds the shape the first question asks about, read from the
+text model's hidden states; the image follows the question in the chat template). Without them the answers alone
+teach the vision tower slowly (the LLaVA demo's lesson: 81% against 99%). Deterministic for a seed on a given
+machine and thread count. Writes the published checkpoint layout (config, safetensors with the fused experts as
+the released checkpoints store them, tokenizer, ``preprocessor_config.json``, generation config) plus
+``train_log.jsonl``.
 """
 
 from __future__ import annotations
@@ -20,133 +24,205 @@ import random
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from duet_testing.demo_tasks import COLORS, GRID, IMAGE_SIZE, KINDS, SIZES, Conversation, Example, Scene, make_conversation
-from scripts.demo.tokenizer import END, IMAGE_TOKEN, PAD, chat_prompt, save_tokenizer, train_tokenizer
+from duet_testing.demo_tasks import COLORS, GRID, KINDS, Conversation, Example, Scene, make_conversation
+from scripts.demo.tokenizer import (
+    ENDOFTEXT,
+    IM_END,
+    IMAGE_PAD,
+    IMAGE_TOKEN,
+    QWEN_SPECIAL_TOKENS,
+    VISION_END,
+    VISION_START,
+    VIDEO_PAD,
+    chat_prompt,
+    save_tokenizer,
+    train_tokenizer,
+)
 
-PATCH = 16  # one 3x3-grid cell = 2x2 patches: 36 visual tokens per image
-PROBE_WEIGHT = 0.5  # weight of the training-only cell probe's loss (CellProbe)
+PATCH, MERGE, TEMPORAL = 16, 2, 2
+MIN_PIXELS, MAX_PIXELS = 112 * 112, 192 * 192  # 12 to 36 visual tokens an image
+PROBE_WEIGHT = 1.5  # weight of the training-only token probe's loss (TokenProbe)
 MATCH_WEIGHT = 0.5  # weight of the training-only match probe's loss (MatchProbe)
-TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
+# the vision tower: wider than the text model, since telling a triangle from a diamond at any scale and offset
+# against the 16-pixel patch grid is the slowest thing the demo learns (a linear probe of shape kind: 85% after
+# 500 steps at this width, 77% at 128 wide)
+VISION = {"depth": 4, "hidden_size": 192, "intermediate_size": 512, "num_heads": 6}
 
 
-def build_model(vocab_size: int, image_token_id: int, pad_id: int, end_id: int, seed: int):
-    from transformers import LlavaConfig, LlavaForConditionalGeneration, Qwen3MoeConfig, SiglipVisionConfig
+def processor_config() -> dict:
+    return {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": PATCH, "temporal_patch_size": TEMPORAL,
+            "merge_size": MERGE, "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True, "do_resize": True, "resample": 3}
 
-    vision = SiglipVisionConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                                image_size=IMAGE_SIZE, patch_size=PATCH, vision_use_head=False)
-    text = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=1024,
-                          tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                          pad_token_id=pad_id, eos_token_id=end_id, bos_token_id=None)
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
-                      image_seq_length=TOKENS_PER_IMAGE, vision_feature_layer=-1,
-                      vision_feature_select_strategy="full", projector_hidden_act="gelu", tie_word_embeddings=True)
+
+def image_processor():
+    from transformers import Qwen2VLImageProcessorPil
+
+    cfg = {k: v for k, v in processor_config().items() if k != "image_processor_type"}
+    return Qwen2VLImageProcessorPil(**cfg)
+
+
+def build_model(tok, seed: int):
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    ids = {t: tok.token_to_id(t) for t in QWEN_SPECIAL_TOKENS}
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                max_position_embeddings=4096, tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
+                                 "mrope_interleaved": True},
+                pad_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], bos_token_id=None)
+    vision = dict(**VISION, patch_size=PATCH, temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE, out_hidden_size=128,
+                  num_position_embeddings=256, deepstack_visual_indexes=[1, 2])
+    cfg = Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=ids[IMAGE_PAD],
+                           video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
+                           vision_end_token_id=ids[VISION_END], tie_word_embeddings=True)
     torch.manual_seed(seed)
-    return LlavaForConditionalGeneration(cfg)
+    return Qwen3VLMoeForConditionalGeneration(cfg)
 
 
-def pixel_values(images) -> torch.Tensor:
-    """SigLIP preprocessing at the native size (resize is the identity): rescale to [0, 1], normalise with 0.5/0.5."""
-    arr = np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) for im in images]) / 255.0
-    return torch.from_numpy((arr - 0.5) / 0.5).permute(0, 3, 1, 2).contiguous()
+def linear_patch_embed(model) -> None:
+    """Run the vision tower's patch embedding (a Conv3d whose kernel is its stride and its whole input) as the
+    matrix product it is: the same weights and result, without the CPU convolution's slow backward (about a sixth
+    of a training step)."""
+    proj = model.model.visual.patch_embed.proj
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.reshape(-1, proj.weight[0].numel()).to(proj.weight.dtype),
+                                          proj.weight.flatten(1), proj.bias)
+
+    model.model.visual.patch_embed.forward = forward
 
 
-def encode(tok, conv: Conversation | Example, ids: dict[str, int]) -> tuple[list[int], list[int]]:
-    """(input ids with image placeholders expanded, labels: the answers and their end tokens, -100 elsewhere)."""
+def encode(tok, conv: Conversation | Example, ids: dict[str, int], tokens_per_image: list[int]
+           ) -> tuple[list[int], list[int]]:
+    """(input ids with each image's pad run expanded to its visual-token count, labels: the answers and their end
+    tokens, -100 elsewhere)."""
     turns = conv.turns if isinstance(conv, Conversation) else ((conv.question, conv.answer),)
+    counts = iter(tokens_per_image)
     input_ids: list[int] = []
     labels: list[int] = []
     for question, answer in turns:
         prompt: list[int] = []
         for t in tok.encode(chat_prompt(question)).ids:
-            prompt.extend([t] * TOKENS_PER_IMAGE if t == ids[IMAGE_TOKEN] else [t])
-        reply = tok.encode(answer).ids + [ids[END]]
+            prompt.extend([t] * next(counts) if t == ids[IMAGE_PAD] else [t])
+        reply = tok.encode(answer).ids + [ids[IM_END]]
         input_ids += prompt + reply
         labels += [-100] * len(prompt) + reply
     return input_ids, labels
 
 
-def make_batch(tok, examples: list[Conversation | Example], ids: dict[str, int]) -> dict[str, torch.Tensor]:
-    seqs = [encode(tok, e, ids) for e in examples]
+def make_batch(tok, proc, examples: list[Conversation | Example], ids: dict[str, int]) -> dict[str, torch.Tensor]:
+    images = [im for e in examples for im in e.images()]
+    vis = proc(images=images, return_tensors="pt")
+    grid = vis["image_grid_thw"]
+    per_image = (grid.prod(-1) // MERGE**2).tolist()
+    seqs, at = [], 0
+    for e in examples:
+        n = len(e.scenes)
+        seqs.append(encode(tok, e, ids, per_image[at:at + n]))
+        at += n
     n = max(len(s) for s, _ in seqs)
-    input_ids = torch.full((len(seqs), n), ids[PAD])
+    input_ids = torch.full((len(seqs), n), ids[ENDOFTEXT])
     labels = torch.full((len(seqs), n), -100)
     mask = torch.zeros((len(seqs), n), dtype=torch.long)
     for i, (s, lab) in enumerate(seqs):
         input_ids[i, : len(s)] = torch.tensor(s)
         labels[i, : len(s)] = torch.tensor(lab)
         mask[i, : len(s)] = 1
-    images = [im for e in examples for im in e.images()]
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "pixel_values": pixel_values(images)}
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "pixel_values": vis["pixel_values"],
+            "image_grid_thw": grid, "mm_token_type_ids": (input_ids == ids[IMAGE_PAD]).int()}
 
 
-class CellProbe(torch.nn.Module):
-    """Training-only auxiliary head (not saved): from the projected visual tokens of each grid cell (the 2x2 patches
-    it covers), predict what the cell holds -- nothing or a shape kind, its colour, its size. It gives the vision
-    tower a dense signal per shape from the first step, where the answers alone reach it only through the text
-    model; the checkpoint stays a plain LLaVA."""
+def token_targets(scene: Scene, gh: int, gw: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per merged visual token (row-major over the ``gh`` x ``gw`` grid): the kind over it (0 none, 1 + kind index),
+    its colour (-100 where none), the third of the image it lies in (0-8, row-major) and the index of the shape over
+    it in ``scene.shapes`` (-1 where none)."""
+    kind = [0] * (gh * gw)
+    color = [-100] * (gh * gw)
+    cell = [0] * (gh * gw)
+    owner = [-1] * (gh * gw)
+    for i in range(gh):
+        for j in range(gw):
+            tx, ty = (j + 0.5) / gw, (i + 0.5) / gh
+            t = i * gw + j
+            cell[t] = min(GRID - 1, int(ty * GRID)) * GRID + min(GRID - 1, int(tx * GRID))
+            for n, s in enumerate(scene.shapes):  # over the shape's box, in pixels
+                r = s.r * min(scene.width, scene.height)
+                if abs(tx - s.x) * scene.width <= r and abs(ty - s.y) * scene.height <= r:
+                    kind[t], color[t], owner[t] = 1 + KINDS.index(s.kind), list(COLORS).index(s.color), n
+    for n, s in enumerate(scene.shapes):  # the token holding the centre is always the shape's
+        t = centre_token(s, gh, gw)
+        kind[t], color[t], owner[t] = 1 + KINDS.index(s.kind), list(COLORS).index(s.color), n
+    return kind, color, cell, owner
+
+
+def centre_token(shape, gh: int, gw: int) -> int:
+    return min(gh - 1, int(shape.y * gh)) * gw + min(gw - 1, int(shape.x * gw))
+
+
+class TokenProbe(torch.nn.Module):
+    """Training-only auxiliary head (not saved): from each merged visual token (the vision tower's output), predict
+    the shape kind over it (or none), its colour, and which third of the image the token lies in; and from the mean
+    of the tokens over each shape, its kind. A dense signal per shape from the first step, where the answers reach
+    the tower only through the text model; the checkpoint stays a plain Qwen3-VL-MoE."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.register_buffer("cells", _cell_patches(), persistent=False)  # [cells, patches per cell]
-        width = hidden * self.cells.shape[1]
-        self.kind = torch.nn.Linear(width, 1 + len(KINDS))
-        self.color = torch.nn.Linear(width, len(COLORS))
-        self.size = torch.nn.Linear(width, len(SIZES))
+        self.kind = torch.nn.Linear(hidden, 1 + len(KINDS))
+        self.color = torch.nn.Linear(hidden, len(COLORS))
+        self.cell = torch.nn.Linear(hidden, GRID * GRID)
+        self.shape_kind = torch.nn.Linear(hidden, len(KINDS))
 
-    def loss(self, visual: torch.Tensor, scenes: list[Scene]) -> torch.Tensor:
-        """Mean cross-entropy of the three predictions; ``visual`` is ``[images, tokens per image, hidden]``."""
-        x = visual[:, self.cells].flatten(2)  # [images, cells, per*per*hidden]
-        kind = torch.zeros(len(scenes), GRID * GRID, dtype=torch.long)
-        color = torch.full_like(kind, -100)
-        size = torch.full_like(kind, -100)
-        for i, sc in enumerate(scenes):
-            for s in sc.shapes:
-                cell = s.row * GRID + s.col
-                kind[i, cell] = 1 + KINDS.index(s.kind)
-                color[i, cell] = list(COLORS).index(s.color)
-                size[i, cell] = list(SIZES).index(s.size)
+    def loss(self, visual: torch.Tensor, scenes: list[Scene], grids: list[tuple[int, int]]) -> torch.Tensor:
+        """Mean cross-entropy of the four predictions; ``visual`` is ``[tokens of every image, hidden]``."""
+        kind, color, cell, owner, shape_kinds, at = [], [], [], [], [], 0
+        for sc, (gh, gw) in zip(scenes, grids, strict=True):
+            k, c, p, o = token_targets(sc, gh, gw)
+            kind += k
+            color += c
+            cell += p
+            owner += [at + n if n >= 0 else -1 for n in o]
+            shape_kinds += [KINDS.index(s.kind) for s in sc.shapes]
+            at += len(sc.shapes)
+        owners = torch.tensor(owner)
+        held = owners >= 0
+        pooled = torch.zeros(at, visual.shape[-1], dtype=visual.dtype).index_add_(0, owners[held], visual[held])
+        pooled = pooled / torch.bincount(owners[held], minlength=at).clamp_min(1)[:, None].to(visual.dtype)
         ce = torch.nn.functional.cross_entropy
-        return (ce(self.kind(x).flatten(0, 1), kind.flatten()) + ce(self.color(x).flatten(0, 1), color.flatten())
-                + ce(self.size(x).flatten(0, 1), size.flatten()))
+        return (ce(self.kind(visual), torch.tensor(kind)) + ce(self.color(visual), torch.tensor(color))
+                + ce(self.cell(visual), torch.tensor(cell)) + ce(self.shape_kind(pooled), torch.tensor(shape_kinds)))
 
 
 class MatchProbe(torch.nn.Module):
-    """Training-only auxiliary head (not saved): from the text model's hidden states at a cell's visual tokens
-    (``layer`` decoder layers in), pick the cell holding the shape the first question asks about ("What color is the
-    triangle?", "Where is the blue circle?"). The image follows the question in the prompt, so each visual token can
-    test itself against it; this trains that test directly."""
+    """Training-only auxiliary head (not saved): from the text model's hidden states at an image's visual tokens
+    (``layer`` decoder layers in), pick the token holding the shape the first question asks about ("What color is
+    the triangle?", "Where is the blue circle?"). The image follows the question in the prompt, so each visual token
+    can test itself against it; this trains that test directly."""
 
     def __init__(self, hidden: int, layer: int = 2) -> None:
         super().__init__()
         self.layer = layer
-        self.register_buffer("cells", _cell_patches(), persistent=False)
-        self.score = torch.nn.Linear(hidden * self.cells.shape[1], 1)
+        self.score = torch.nn.Linear(hidden, 1)
 
     def loss(self, hidden: torch.Tensor, is_image: torch.Tensor, targets: list[int | None]) -> torch.Tensor | None:
-        """Cross-entropy over the cells of each image with a target; None when no image has one."""
-        keep = [i for i, t in enumerate(targets) if t is not None]
-        if not keep:
-            return None
-        visual = hidden[is_image].view(len(targets), -1, hidden.shape[-1])[keep]
-        logits = self.score(visual[:, self.cells].flatten(2)).squeeze(-1)  # [images, cells]
-        return torch.nn.functional.cross_entropy(logits, torch.tensor([targets[i] for i in keep]))
+        """Mean cross-entropy over the tokens of each sequence's (first) image with a target; None when none has
+        one. ``hidden`` is ``[batch, seq, hidden]``, ``is_image`` ``[batch, seq]``."""
+        losses = []
+        for b, t in enumerate(targets):
+            if t is None:
+                continue
+            logits = self.score(hidden[b][is_image[b]]).squeeze(-1)
+            losses.append(torch.nn.functional.cross_entropy(logits[None], torch.tensor([t])))
+        return torch.stack(losses).mean() if losses else None
 
 
-def _cell_patches() -> torch.Tensor:
-    """[cells, patches per cell]: the visual-token indices each grid cell covers (row-major patches)."""
-    side = IMAGE_SIZE // PATCH
-    per = side // GRID
-    return torch.tensor([[(r * per + i) * side + c * per + j for i in range(per) for j in range(per)]
-                         for r in range(GRID) for c in range(GRID)])
-
-
-def asked_cell(scene: Scene, question: str) -> int | None:
-    """The grid cell of the shape a colour or place question names (None for other questions)."""
+def asked_shape(scene: Scene, question: str):
+    """The shape a colour or place question names (None for other questions)."""
     words = question.replace(IMAGE_TOKEN, "").removesuffix("?").split()
     if "What color is the" in question:
         hits = [s for s in scene.shapes if s.kind == words[-1]]
@@ -154,45 +230,56 @@ def asked_cell(scene: Scene, question: str) -> int | None:
         hits = [s for s in scene.shapes if (s.color, s.kind) == (words[-2], words[-1])]
     else:
         return None
-    return hits[0].row * GRID + hits[0].col if len(hits) == 1 else None
+    return hits[0] if len(hits) == 1 else None
 
 
-def _grouped_loss(model, tok, examples: list[Conversation], ids: dict[str, int], probe: CellProbe | None = None,
-                  probe_weight: float = 0.0, match: MatchProbe | None = None, match_weight: float = 0.0
-                  ) -> torch.Tensor:
-    """Mean loss over all answer tokens of the batch, computed in groups of equal image count so one-image
-    prompts are not padded to two-image length (about 1.5x less compute for the same batch); plus
-    ``probe_weight`` x the cell probe's loss on the batch's images and ``match_weight`` x the match probe's."""
-    groups: dict[int, list[Conversation]] = {}
-    for e in examples:
-        groups.setdefault(len(e.scenes), []).append(e)
+def batch_loss(model, tok, proc, examples: list[Conversation], ids: dict[str, int], probe: TokenProbe | None = None,
+               probe_weight: float = 0.0, match: MatchProbe | None = None, match_weight: float = 0.0,
+               chunk: int = 16, parts: dict | None = None) -> torch.Tensor:
+    """Mean loss over all answer tokens of the batch, run in chunks of similar length (sorted by visual tokens, so
+    little padding); plus the probes' weighted losses (each unweighted in ``parts`` when given)."""
+    order = sorted(examples, key=lambda e: sum(s.width * s.height for s in e.scenes))
     captured: list[torch.Tensor] = []
-    hook = (model.model.multi_modal_projector.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    hook = (model.model.visual.merger.register_forward_hook(lambda _m, _i, out: captured.append(out))
             if probe is not None else None)
     try:
-        total, count, aux, images, matched = None, 0, 0.0, 0, None
-        for n in sorted(groups):
-            batch = make_batch(tok, groups[n], ids)
+        total, count, aux, aux_n, matched, match_n = None, 0, 0.0, 0, 0.0, 0
+        for at in range(0, len(order), chunk):
+            part = order[at:at + chunk]
+            batch = make_batch(tok, proc, part, ids)
             tokens = int((batch["labels"][:, 1:] != -100).sum())
             out = model(**batch, output_hidden_states=match is not None)
-            part = out.loss * tokens
-            if match is not None and n == 1:
-                targets = [asked_cell(e.scenes[0], e.turns[0][0]) for e in groups[n]]
-                matched = match.loss(out.hidden_states[match.layer], batch["input_ids"] == ids[IMAGE_TOKEN], targets)
-            total = part if total is None else total + part
+            total = out.loss * tokens if total is None else total + out.loss * tokens
             count += tokens
+            grids = [(int(h) // MERGE, int(w) // MERGE) for _, h, w in batch["image_grid_thw"].tolist()]
             if probe is not None:
-                scenes = [s for e in groups[n] for s in e.scenes]
-                aux = aux + probe.loss(captured.pop(), scenes) * len(scenes)
-                images += len(scenes)
+                scenes = [s for e in part for s in e.scenes]
+                aux = aux + probe.loss(captured.pop(), scenes, grids) * len(scenes)
+                aux_n += len(scenes)
+            if match is not None:
+                targets, g = [], 0
+                for e in part:
+                    s = asked_shape(e.scenes[0], e.turns[0][0]) if len(e.scenes) == 1 else None
+                    targets.append(None if s is None else centre_token(s, *grids[g]))
+                    g += len(e.scenes)
+                m = match.loss(out.hidden_states[match.layer], batch["input_ids"] == ids[IMAGE_PAD], targets)
+                if m is not None:
+                    n = sum(t is not None for t in targets)
+                    matched, match_n = matched + m * n, match_n + n
     finally:
         if hook is not None:
             hook.remove()
     loss = total / count
+    if parts is not None:
+        parts["answers"] = loss.item()
     if probe is not None:
-        loss = loss + probe_weight * aux / images
-    if matched is not None:  # only one-image prompts ask about a cell (one group)
-        loss = loss + match_weight * matched
+        loss = loss + probe_weight * aux / aux_n
+        if parts is not None:
+            parts["token_probe"] = (aux / aux_n).item()
+    if match_n:
+        loss = loss + match_weight * matched / match_n
+        if parts is not None:
+            parts["match_probe"] = (matched / match_n).item()
     return loss
 
 
@@ -207,11 +294,14 @@ def train(out: Path, *, steps: int, seed: int = 0, batch_size: int = 32, lr: flo
           progress: bool = True, save: bool = True, checkpoint_every: int = 0,
           probe_weight: float = PROBE_WEIGHT, match_weight: float = MATCH_WEIGHT) -> torch.nn.Module:
     tok = train_tokenizer()
-    ids = {t: tok.token_to_id(t) for t in (IMAGE_TOKEN, END, PAD)}
-    model = build_model(tok.get_vocab_size(), ids[IMAGE_TOKEN], ids[PAD], ids[END], seed)
+    ids = {t: tok.token_to_id(t) for t in QWEN_SPECIAL_TOKENS}
+    proc = image_processor()
+    model = build_model(tok, seed)
+    linear_patch_embed(model)
     model.train()
-    probe = CellProbe(model.config.text_config.hidden_size) if probe_weight > 0 else None
-    match = MatchProbe(model.config.text_config.hidden_size) if match_weight > 0 else None
+    hidden = model.config.text_config.hidden_size
+    probe = TokenProbe(hidden) if probe_weight > 0 else None
+    match = MatchProbe(hidden) if match_weight > 0 else None
     params = [p for m in (model, probe, match) if m is not None for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     rng = random.Random(seed)
@@ -223,13 +313,14 @@ def train(out: Path, *, steps: int, seed: int = 0, batch_size: int = 32, lr: flo
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=min(100, steps // 10 + 1))
         opt.zero_grad(set_to_none=True)
-        loss = _grouped_loss(model, tok, examples, ids, probe, probe_weight, match, match_weight)
+        parts: dict[str, float] = {}
+        loss = batch_loss(model, tok, proc, examples, ids, probe, probe_weight, match, match_weight, parts=parts)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % log_every == 0 or step == steps - 1:
-            log.append({"step": step, "loss": round(loss.item(), 5), "lr": opt.param_groups[0]["lr"],
-                        "elapsed_s": round(time.perf_counter() - t0, 1)})
+            log.append({"step": step, "loss": round(loss.item(), 5), **{k: round(v, 5) for k, v in parts.items()},
+                        "lr": opt.param_groups[0]["lr"], "elapsed_s": round(time.perf_counter() - t0, 1)})
         if checkpoint_every and step and step % checkpoint_every == 0:
             _save(model, tok, out / f"step-{step}", log, seed=seed, steps=steps)
             model.train()
@@ -245,14 +336,16 @@ def train(out: Path, *, steps: int, seed: int = 0, batch_size: int = 32, lr: flo
 
 
 def _save(model, tok, out: Path, log: list[dict], *, seed: int, steps: int) -> None:
-    from transformers import GenerationConfig, SiglipImageProcessorPil
+    from transformers import GenerationConfig
+
+    from duet_testing.qwen_checkpoints import _publish_experts
 
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    _publish_experts(out)  # the fused experts as the released Qwen3-VL-MoE checkpoints store them
     save_tokenizer(tok, out)
-    SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
-    end = tok.token_to_id(END)
-    GenerationConfig(eos_token_id=end, pad_token_id=tok.token_to_id(PAD), do_sample=False,
+    (out / "preprocessor_config.json").write_text(json.dumps(processor_config(), indent=2) + "\n")
+    GenerationConfig(eos_token_id=tok.token_to_id(IM_END), pad_token_id=tok.token_to_id(ENDOFTEXT), do_sample=False,
                      max_new_tokens=48).save_pretrained(out)
     with open(out / "train_log.jsonl", "w") as f:
         f.write(json.dumps({"seed": seed, "steps": steps, "torch_threads": torch.get_num_threads()}) + "\n")
@@ -268,15 +361,15 @@ def _bar(total: int):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scripts.demo.train", description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--steps", type=int, default=5000)
+    p.add_argument("--steps", type=int, default=4500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--probe-weight", type=float, default=PROBE_WEIGHT,
-                   help="weight of the auxiliary cell-probe loss on the visual tokens (0: off)")
+                   help="weight of the auxiliary token-probe loss on the visual tokens (0: off)")
     p.add_argument("--match-weight", type=float, default=MATCH_WEIGHT,
-                   help="weight of the auxiliary match-probe loss (which cell the question asks about; 0: off)")
+                   help="weight of the auxiliary match-probe loss (which token the question asks about; 0: off)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also save OUT/step-N every N steps")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)

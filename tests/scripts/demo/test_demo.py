@@ -1,4 +1,4 @@
-"""The demo task, its tokenizer, the training script and the shipped demo model."""
+"""The demo task, its tokenizer, the training script and the shipped Qwen3-VL-MoE demo model."""
 
 from __future__ import annotations
 
@@ -10,18 +10,24 @@ import pytest
 import torch
 
 from cluster.demo import DEMO_MODEL_DIR
-from duet_testing.demo_tasks import COUNT_WORDS, QTYPES, describe, make_dataset
+from duet_testing.demo_tasks import COUNT_WORDS, GRID, MAX_ASPECT, MAX_SIDE, MIN_SIDE, QTYPES, describe, make_dataset
 from engine import LLM, SamplingParams
-from scripts.demo.tokenizer import IMAGE_TOKEN, chat_prompt, save_tokenizer, train_tokenizer
-from scripts.demo.train import PATCH, TOKENS_PER_IMAGE, build_model, encode, train
+from scripts.demo.tokenizer import IMAGE_PAD, QWEN_VISION, chat_prompt, save_tokenizer, train_tokenizer
+from scripts.demo.train import (
+    MatchProbe,
+    TokenProbe,
+    asked_shape,
+    build_model,
+    centre_token,
+    encode,
+    processor_config,
+    token_targets,
+    train,
+)
 
 
-def test_dataset_is_deterministic_balanced_and_consistent():
-    a, b = make_dataset(7, 40), make_dataset(7, 40)
-    assert [(e.question, e.answer) for e in a] == [(e.question, e.answer) for e in b]
-    assert np.array_equal(np.asarray(a[3].images()[0]), np.asarray(b[3].images()[0]))
-    assert [e.qtype for e in a[:5]] == list(QTYPES)
-    for e in a:
+def _check_answers(examples) -> None:
+    for e in examples:
         assert e.question.count("<image>") == len(e.scenes)
         s = e.scenes[0]
         if e.qtype == "count":
@@ -37,19 +43,68 @@ def test_dataset_is_deterministic_balanced_and_consistent():
         else:
             n1, n2 = (len(x.shapes) for x in e.scenes)
             assert e.answer == ("the first" if n1 > n2 else "the second")
-    other = make_dataset(8, 40)
-    assert [(e.question, e.answer) for e in other] != [(e.question, e.answer) for e in a]  # the seed matters
 
 
-def test_tokenizer_chat_template_and_image_token(tmp_path):
+def test_varied_scenes_are_deterministic_and_vary_in_size_and_place():
+    a, b = make_dataset(7, 60), make_dataset(7, 60)
+    assert [(e.question, e.answer) for e in a] == [(e.question, e.answer) for e in b]
+    assert np.array_equal(np.asarray(a[3].images()[0]), np.asarray(b[3].images()[0]))
+    assert [e.qtype for e in a[:5]] == list(QTYPES)
+    _check_answers(a)
+    scenes = [s for e in a for s in e.scenes]
+    sizes = {(s.width, s.height) for s in scenes}
+    assert len(sizes) > 40  # canvases of many sizes ...
+    assert any(s.width > s.height * 1.5 for s in scenes) and any(s.height > s.width * 1.5 for s in scenes)
+    for s in scenes:  # ... within the generator's range, each shape's place the cell its centre is in
+        assert MIN_SIDE <= min(s.width, s.height) and max(s.width, s.height) <= MAX_SIDE
+        assert max(s.width, s.height) <= MAX_ASPECT * min(s.width, s.height) + 1
+        for x in s.shapes:
+            assert (int(x.y * GRID), int(x.x * GRID)) == (x.row, x.col)
+            r = x.r * min(s.width, s.height)
+            assert r <= x.x * s.width <= s.width - r and r <= x.y * s.height <= s.height - r  # on the canvas
+    offsets = [abs(x.x * GRID - x.col - 0.5) for s in scenes for x in s.shapes]
+    assert max(offsets) > 0.2  # not tied to the cell centres
+    for e in a[:10]:
+        assert [im.size for im in e.images()] == [(s.width, s.height) for s in e.scenes]
+    other = make_dataset(8, 60)
+    assert [(e.question, e.answer) for e in other] != [(e.question, e.answer) for e in a]
+    with pytest.raises(ValueError, match="unknown scene style"):
+        make_dataset(7, 1, style="nope")
+
+
+def test_outside_scenes_use_what_the_generator_does_not():
+    from duet_testing.outside_shapes import make_dataset as outside
+
+    a, b = outside(11, 40), outside(11, 40)
+    assert [(e.question, e.answer) for e in a] == [(e.question, e.answer) for e in b]
+    assert np.array_equal(np.asarray(a[2].images()[0]), np.asarray(b[2].images()[0]))
+    _check_answers(a)
+    for e in a:
+        for s, im in zip(e.scenes, e.images(), strict=True):
+            assert im.size == (s.width, s.height)
+            assert max(s.width, s.height) > MAX_SIDE or max(s.width, s.height) > MAX_ASPECT * min(s.width, s.height)
+            for x in s.shapes:
+                assert (int(x.y * GRID / s.height), int(x.x * GRID / s.width)) == (x.row, x.col)
+
+
+def test_tokenizer_chat_template_and_image_markers(tmp_path):
+    from cluster.serve.chat import render_chat
+    from engine.config import ModelConfig
     from engine.tokenizer import Tokenizer
 
     save_tokenizer(train_tokenizer(), tmp_path)
     tok = Tokenizer.from_pretrained(tmp_path)
     q = "<image>What color is the triangle?"
+    assert chat_prompt(q) == f"<|im_start|>user\nWhat color is the triangle?{QWEN_VISION}<|im_end|>\n<|im_start|>assistant\n"
     assert tok.apply_chat_template([{"role": "user", "content": q}]) == chat_prompt(q)
+    parts = [{"type": "image"}, {"type": "text", "text": "What color is the triangle?"}]
+    assert tok.apply_chat_template([{"role": "user", "content": parts}]) == chat_prompt(q)
+    # the server's path (content parts for a Qwen3-VL checkpoint) renders the same prompt
+    assert render_chat(tok, ModelConfig.from_pretrained(DEMO_MODEL_DIR), [{"role": "user", "content": q}]) == chat_prompt(q)
+    two = "<image><image>Which image has more shapes?"
+    assert chat_prompt(two).endswith(f"?{QWEN_VISION}{QWEN_VISION}<|im_end|>\n<|im_start|>assistant\n")
     ids = tok.encode(chat_prompt(q))
-    assert ids.count(tok.token_to_id(IMAGE_TOKEN)) == 1
+    assert ids.count(tok.token_to_id(IMAGE_PAD)) == 1
     assert tok.decode(tok.encode("red circle top left", add_special_tokens=False)) == "red circle top left"
 
 
@@ -65,12 +120,13 @@ def test_shipped_checkpoint_is_what_the_script_generates(tmp_path):
     save_tokenizer(tok, tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (tmp_path / name).read_text() == (DEMO_MODEL_DIR / name).read_text(), name
-    ids = {t: tok.token_to_id(t) for t in ("<image>", "<pad>", "<|end|>")}
-    generated = build_model(tok.get_vocab_size(), ids["<image>"], ids["<pad>"], ids["<|end|>"], seed=0).config
+    generated = json.loads(build_model(tok, seed=0).config.to_json_string())
     shipped = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    assert shipped["model_type"] == "qwen3_vl_moe"
     ignore = {"transformers_version", "architectures", "dtype"}
-    want = {k: v for k, v in json.loads(generated.to_json_string()).items() if k not in ignore}
-    assert {k: v for k, v in shipped.items() if k not in ignore} == want
+    assert {k: v for k, v in shipped.items() if k not in ignore} == {k: v for k, v in generated.items()
+                                                                     if k not in ignore}
+    assert json.loads((DEMO_MODEL_DIR / "preprocessor_config.json").read_text()) == processor_config()
     log = [json.loads(line) for line in (DEMO_MODEL_DIR / "train_log.jsonl").read_text().splitlines()]
     assert log[0]["seed"] == 0 and log[0]["steps"] > 0 and log[-1]["step"] == log[0]["steps"] - 1
 
@@ -81,45 +137,68 @@ def demo_llm():
 
 
 def test_engine_and_transformers_give_the_same_answers(demo_llm):
-    from transformers import AutoTokenizer, LlavaForConditionalGeneration, LlavaProcessor, SiglipImageProcessorPil
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3VLMoeForConditionalGeneration
 
     from duet_bench.quality_bench import evaluate
 
     examples = make_dataset(424242, 10)
     ours = evaluate(demo_llm, examples)
-    ref = LlavaForConditionalGeneration.from_pretrained(DEMO_MODEL_DIR).eval()
-    proc = LlavaProcessor(image_processor=SiglipImageProcessorPil.from_pretrained(DEMO_MODEL_DIR),
-                          tokenizer=AutoTokenizer.from_pretrained(DEMO_MODEL_DIR), patch_size=PATCH,
-                          vision_feature_select_strategy="full", image_token=IMAGE_TOKEN,
-                          num_additional_image_tokens=0)
+    ref = Qwen3VLMoeForConditionalGeneration.from_pretrained(DEMO_MODEL_DIR).eval()
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    proc = Qwen2VLImageProcessorPil.from_pretrained(DEMO_MODEL_DIR)
+    pad = ref.config.image_token_id
     for e, mine in zip(examples, ours, strict=True):
-        inputs = proc(images=e.images(), text=chat_prompt(e.question), return_tensors="pt")
-        assert (inputs["input_ids"] == ref.config.image_token_index).sum() == TOKENS_PER_IMAGE * len(e.scenes)
+        vis = proc(images=e.images(), return_tensors="pt")
+        counts = iter((vis["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [x for t in tok(chat_prompt(e.question))["input_ids"] for x in ([t] * next(counts) if t == pad else [t])]
+        inp = torch.tensor([ids])
         with torch.inference_mode():
-            out = ref.generate(**inputs, max_new_tokens=48, do_sample=False)
-        text = proc.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+            out = ref.generate(input_ids=inp, attention_mask=torch.ones_like(inp), pixel_values=vis["pixel_values"],
+                               image_grid_thw=vis["image_grid_thw"], mm_token_type_ids=(inp == pad).int(),
+                               max_new_tokens=48, do_sample=False)
+        text = tok.decode(out[0, inp.shape[1]:], skip_special_tokens=True).strip()
         assert mine["prediction"] == text, e.question
+    assert sum(r["match"] for r in ours) >= 9  # and mostly right
+
+
+def test_visual_token_counts_follow_the_image_size(demo_llm):
+    singles = [e for e in make_dataset(5, 60) if len(e.scenes) == 1]
+    small = next(e for e in singles if e.scenes[0].width * e.scenes[0].height < 100 * 100)
+    large = next(e for e in singles if e.scenes[0].width * e.scenes[0].height > 250 * 250)
+    pad = demo_llm.get_tokenizer().token_to_id(IMAGE_PAD)
+    counts = []
+    for e in (small, large):
+        out = demo_llm.generate([{"prompt": chat_prompt(e.question), "multi_modal_data": {"image": e.images()}}],
+                                SamplingParams(temperature=0, max_tokens=1))[0]
+        counts.append(out.prompt_token_ids.count(pad))
+    assert 12 <= counts[0] < counts[1] <= 36  # 112^2 to 192^2 pixels after the processor's resize
 
 
 def test_encode_masks_the_prompt():
     tok = train_tokenizer()
-    ids = {t: tok.token_to_id(t) for t in ("<image>", "<pad>", "<|end|>")}
+    ids = {t: tok.token_to_id(t) for t in ("<|image_pad|>", "<|endoftext|>", "<|im_end|>")}
     ex = make_dataset(3, 1)[0]
-    input_ids, labels = encode(tok, ex, ids)
+    input_ids, labels = encode(tok, ex, ids, [23])
     n_prompt = sum(1 for x in labels if x == -100)
-    assert input_ids[n_prompt:] == labels[n_prompt:] and labels[-1] == ids["<|end|>"]
-    assert input_ids.count(ids["<image>"]) == TOKENS_PER_IMAGE
+    assert input_ids[n_prompt:] == labels[n_prompt:] and labels[-1] == ids["<|im_end|>"]
+    assert input_ids.count(ids["<|image_pad|>"]) == 23
 
 
-def test_quality_bench_reports_per_type(tmp_path, capsys):
+def test_quality_bench_reports_per_type_and_size(tmp_path, capsys):
     from cluster.cli.main import main
 
     out = tmp_path / "q.json"
     assert main(["bench", "quality", "--n", "10", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["overall"]["n"] == 10 and set(res["per_type"]) == set(QTYPES)
+    assert res["overall"]["n"] == 10 and set(res["per_type"]) == set(QTYPES) and res["images"] == "varied"
     assert sum(t["correct"] for t in res["per_type"].values()) == res["overall"]["correct"]
-    assert "overall" in capsys.readouterr().out
+    assert sum(t["n"] for t in res["per_size"].values()) == 10 and len(res["per_size"]) >= 2
+    assert res["overall"]["correct"] >= 9
+    printed = capsys.readouterr().out
+    assert "question type" in printed and "image size" in printed
+    assert main(["bench", "quality", "--images", "outside", "--n", "5", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["images"] == "outside" and set(res["per_size"]) <= {"256-511 px", ">= 512 px"}
 
 
 def test_generate_with_sampled_demo_is_seeded(demo_llm):
@@ -130,40 +209,35 @@ def test_generate_with_sampled_demo_is_seeded(demo_llm):
     assert demo_llm.generate([prompt], p)[0].outputs[0].token_ids == a
 
 
-def test_training_probes_target_the_right_cells():
+def test_training_probes_target_the_right_tokens():
     from duet_testing.demo_tasks import Scene, Shape
-    from scripts.demo.train import CellProbe, MatchProbe, asked_cell
 
-    scene = Scene((Shape("circle", "red", "small", 0, 0), Shape("triangle", "blue", "large", 1, 2),
-                   Shape("circle", "blue", "small", 2, 1)), noisy=False, seed=1)
-    assert asked_cell(scene, "<image>What color is the triangle?") == 5
-    assert asked_cell(scene, "What color is the circle?") is None  # two circles: not asked
-    assert asked_cell(scene, "<image>Where is the blue circle?") == 7
-    assert asked_cell(scene, "<image>How many shapes are there?") is None
-    probe = CellProbe(8)
-    # cell (1, 2) covers patches (2..3, 4..5) of the 6x6 grid
-    assert probe.cells[5].tolist() == [16, 17, 22, 23] and probe.cells.shape == (9, 4)
-    with torch.no_grad():  # no evidence, and a strong prior for "empty": only the three occupied cells cost ~10
-        for head in (probe.kind, probe.color, probe.size):
+    tri = Shape("triangle", "blue", "large", 1, 2, x=0.8, y=0.5, r=0.1, rgb=(0, 0, 255))
+    dot = Shape("circle", "red", "small", 0, 0, x=0.1, y=0.1, r=0.05, rgb=(255, 0, 0))
+    scene = Scene((dot, tri), noisy=False, seed=1, width=120, height=60, style="varied")
+    assert asked_shape(scene, "<image>What color is the triangle?") is tri
+    assert asked_shape(scene, "<image>Where is the red circle?") is dot
+    assert asked_shape(scene, "<image>How many shapes are there?") is None
+    gh, gw = 2, 4  # 60 x 120 pixels as 2 x 4 merged tokens
+    assert centre_token(tri, gh, gw) == 1 * gw + 3 and centre_token(dot, gh, gw) == 0
+    kind, color, cell, owner = token_targets(scene, gh, gw)
+    assert kind[0] == 1 and kind[7] == 1 + 2 and color[7] == 2  # circle; triangle (kind 2), blue (colour 2)
+    assert kind.count(0) == 6 and all(c == -100 for k, c in zip(kind, color, strict=True) if k == 0)
+    assert owner == [0, -1, -1, -1, -1, -1, -1, 1]
+    assert cell == [0, 1, 1, 2, 6, 7, 7, 8]  # the third of the image each token's centre is in
+    probe = TokenProbe(8)
+    with torch.no_grad():  # no evidence: each of the four predictions costs log(its classes)
+        for head in (probe.kind, probe.color, probe.cell, probe.shape_kind):
             head.weight.zero_(), head.bias.zero_()
-        probe.kind.bias[0] = 10.0
-    visual = torch.zeros(1, TOKENS_PER_IMAGE, 8)
-    want = 3 / 9 * (10 + math.log1p(4 * math.exp(-10))) + 6 / 9 * math.log1p(4 * math.exp(-10)) + math.log(6) \
-        + math.log(2)  # kind over all 9 cells; colour and size only over the 3 shapes
-    assert probe.loss(visual, [scene]).item() == pytest.approx(want, rel=1e-5)
+    want = math.log(5) + math.log(6) + math.log(9) + math.log(4)
+    assert probe.loss(torch.randn(gh * gw, 8), [scene], [(gh, gw)]).item() == pytest.approx(want, rel=1e-5)
     match = MatchProbe(8)
-    with torch.no_grad():  # score = sum of feature 0 over the cell's four tokens
+    with torch.no_grad():  # score = feature 0
         match.score.weight.zero_(), match.score.bias.zero_()
-        match.score.weight[0, ::8] = 1.0
-    hidden = torch.zeros(1, 3 + TOKENS_PER_IMAGE, 8)  # three text tokens, then the image's
-    hidden[0, 3 + probe.cells[5], 0] = 10.0  # cell 5's tokens stand out
-    is_image = torch.tensor([[False] * 3 + [True] * TOKENS_PER_IMAGE])
+        match.score.weight[0, 0] = 1.0
+    hidden = torch.zeros(1, 3 + gh * gw, 8)
+    hidden[0, 3 + 7, 0] = 20.0  # the triangle's token stands out
+    is_image = torch.tensor([[False] * 3 + [True] * (gh * gw)])
     assert match.loss(hidden, is_image, [None]) is None
-    assert match.loss(hidden, is_image, [5]).item() < 1e-6
-    assert match.loss(hidden, is_image, [0]).item() == pytest.approx(40.0, abs=1e-3)
-
-
-def test_chat_template_puts_images_after_the_question():
-    assert chat_prompt("<image>What color is the triangle?") == \
-        "<|user|>What color is the triangle?<image><|end|><|assistant|>"
-    assert chat_prompt("<image><image>Which image has more shapes?").endswith("?<image><image><|end|><|assistant|>")
+    assert match.loss(hidden, is_image, [7]).item() < 1e-6
+    assert match.loss(hidden, is_image, [0]).item() == pytest.approx(20.0, abs=1e-3)
