@@ -10,9 +10,9 @@ comparison), loss on the answer tokens only, plus two training-only probes that 
 lies in; from the mean of a shape's tokens, its kind) and :class:`MatchProbe` (which visual token holds the shape the first question asks about, read from the
 text model's hidden states; the image follows the question in the chat template). Without them the answers alone
 teach the vision tower slowly (the LLaVA demo's lesson: 81% against 99%). Deterministic for a seed on a given
-machine and thread count. Writes the published checkpoint layout (config, safetensors with the fused experts as
-the released checkpoints store them, tokenizer, ``preprocessor_config.json``, generation config) plus
-``train_log.jsonl``.
+machine and thread count. Writes a Hugging Face checkpoint in the layout transformers 5 saves (config, safetensors,
+tokenizer, ``preprocessor_config.json``, generation config; see :func:`_save` for why not the released checkpoints'
+fused-expert layout) plus ``train_log.jsonl``.
 """
 
 from __future__ import annotations
@@ -338,11 +338,11 @@ def train(out: Path, *, steps: int, seed: int = 0, batch_size: int = 32, lr: flo
 def _save(model, tok, out: Path, log: list[dict], *, seed: int, steps: int) -> None:
     from transformers import GenerationConfig
 
-    from duet_testing.qwen_checkpoints import _publish_experts
-
     out.mkdir(parents=True, exist_ok=True)
+    # transformers 5's layout: the experts' down_proj is square here (moe_intermediate_size == hidden_size), and
+    # transformers 5.24 reading the released layout transposes a fused expert tensor only when its shape says so, so
+    # a square one written that way loads untransposed there (Duet reads both layouts by the config's version)
     model.save_pretrained(out)
-    _publish_experts(out)  # the fused experts as the released Qwen3-VL-MoE checkpoints store them
     save_tokenizer(tok, out)
     (out / "preprocessor_config.json").write_text(json.dumps(processor_config(), indent=2) + "\n")
     GenerationConfig(eos_token_id=tok.token_to_id(IM_END), pad_token_id=tok.token_to_id(ENDOFTEXT), do_sample=False,
