@@ -96,7 +96,7 @@ def save_tokenizer(tok: Tokenizer, path: Path, family: str = "qwen3_vl_moe") -> 
                "clean_up_tokenization_spaces": False}
     else:
         (path / "chat_template.jinja").write_text(QWEN_CHAT_TEMPLATE)
-        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096, "pad_token": ENDOFTEXT,
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1024, "pad_token": ENDOFTEXT,
                "eos_token": IM_END, "bos_token": None, "extra_special_tokens": QWEN_SPECIAL_TOKENS[1:],
                "clean_up_tokenization_spaces": False}
     (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -72,7 +72,7 @@ def build_model(tok, seed: int):
     text = dict(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
                 num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                max_position_embeddings=4096, tie_word_embeddings=True,
+                max_position_embeddings=1024, tie_word_embeddings=True,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
                                  "mrope_interleaved": True},
                 pad_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], bos_token_id=None)

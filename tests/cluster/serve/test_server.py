@@ -80,7 +80,7 @@ def test_sdk_streams_the_demo_answer_with_usage_and_timeline(client, serve_clust
     assert c.text == SHAPES_ANSWER == "".join(d.text for d in deltas)
     assert c.token_ids == [t for d in deltas for t in d.token_ids]
     assert c.finish_reason == "stop" and c.request_id
-    assert c.usage.completion_tokens == len(c.token_ids) and c.usage.prompt_tokens > 36  # 36 image tokens
+    assert c.usage.completion_tokens == len(c.token_ids) and c.usage.prompt_tokens > 12  # at least 12 visual tokens
     t = c.timeline
     assert t["kv_transfer"]["transport"] == "gloo" and t["kv_transfer"]["bytes"] > 0 and t["kv_transfer"]["layers"] == 4
     assert t["prefill_worker"] == "prefill-0" and t["decode_worker"] == "decode-0" and t["attempts"] == 1
