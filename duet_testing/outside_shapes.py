@@ -32,7 +32,8 @@ SUB = 4  # sub-pixel samples per axis
 
 class _Shape:
     def __init__(self, kind: str, color: str, row: int, col: int, x: float, y: float, r: float, rgb) -> None:
-        self.kind, self.color, self.row, self.col, self.x, self.y, self.r, self.rgb = kind, color, row, col, x, y, r, rgb
+        self.kind, self.color, self.row, self.col = kind, color, row, col
+        self.x, self.y, self.r, self.rgb = x, y, r, rgb
 
     @property
     def place(self) -> str:

@@ -4,15 +4,15 @@ A Qwen3-VL-MoE model -- a native-resolution vision tower (16-pixel patches, 2x2 
 text layers) and a MoE text model (8 experts, top-2, interleaved M-RoPE) -- trained with transformers'
 ``Qwen3VLMoeForConditionalGeneration`` on :mod:`duet_testing.demo_tasks` in its ``varied`` style (canvases from 48 to
 360 pixels a side at any aspect ratio up to 2.5:1, so an image's visual-token count varies from 12 to 36 after the
-processor's resize to 112^2-192^2 pixels). Each training sequence is one scene with 1-4 question/answer turns (or one two-image
-comparison), loss on the answer tokens only, plus two training-only probes that are not saved:
+processor's resize to 112^2-192^2 pixels). Each training sequence is one scene with 1-4 question/answer turns (or
+one two-image comparison), loss on the answer tokens only, plus two training-only probes that are not saved:
 :class:`TokenProbe` (from each merged visual token: the shape kind and colour over it and the third of the image it
-lies in; from the mean of a shape's tokens, its kind) and :class:`MatchProbe` (which visual token holds the shape the first question asks about, read from the
-text model's hidden states; the image follows the question in the chat template). Without them the answers alone
-teach the vision tower slowly (the LLaVA demo's lesson: 81% against 99%). Deterministic for a seed on a given
-machine and thread count. Writes a Hugging Face checkpoint in the layout transformers 5 saves (config, safetensors,
-tokenizer, ``preprocessor_config.json``, generation config; see :func:`_save` for why not the released checkpoints'
-fused-expert layout) plus ``train_log.jsonl``.
+lies in; from the mean of a shape's tokens, its kind) and :class:`MatchProbe` (which visual token holds the shape
+the first question asks about, read from the text model's hidden states; the image follows the question in the chat
+template). Without them the answers alone teach the vision tower slowly (the LLaVA demo's lesson: 81% against 99%).
+Deterministic for a seed on a given machine and thread count. Writes a Hugging Face checkpoint in the layout
+transformers 5 saves (config, safetensors, tokenizer, ``preprocessor_config.json``, generation config; see
+:func:`_save` for why not the released checkpoints' fused-expert layout) plus ``train_log.jsonl``.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def build_model(tok, seed: int):
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
                                  "mrope_interleaved": True},
                 pad_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], bos_token_id=None)
-    vision = dict(**VISION, patch_size=PATCH, temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE, out_hidden_size=128,
+    vision = dict(**VISION, patch_size=PATCH, temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE,
+                  out_hidden_size=128,
                   num_position_embeddings=256, deepstack_visual_indexes=[1, 2])
     cfg = Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=ids[IMAGE_PAD],
                            video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],

@@ -95,12 +95,14 @@ def test_tokenizer_chat_template_and_image_markers(tmp_path):
     save_tokenizer(train_tokenizer(), tmp_path)
     tok = Tokenizer.from_pretrained(tmp_path)
     q = "<image>What color is the triangle?"
-    assert chat_prompt(q) == f"<|im_start|>user\nWhat color is the triangle?{QWEN_VISION}<|im_end|>\n<|im_start|>assistant\n"
+    want = f"<|im_start|>user\nWhat color is the triangle?{QWEN_VISION}<|im_end|>\n<|im_start|>assistant\n"
+    assert chat_prompt(q) == want
     assert tok.apply_chat_template([{"role": "user", "content": q}]) == chat_prompt(q)
     parts = [{"type": "image"}, {"type": "text", "text": "What color is the triangle?"}]
     assert tok.apply_chat_template([{"role": "user", "content": parts}]) == chat_prompt(q)
     # the server's path (content parts for a Qwen3-VL checkpoint) renders the same prompt
-    assert render_chat(tok, ModelConfig.from_pretrained(DEMO_MODEL_DIR), [{"role": "user", "content": q}]) == chat_prompt(q)
+    cfg = ModelConfig.from_pretrained(DEMO_MODEL_DIR)
+    assert render_chat(tok, cfg, [{"role": "user", "content": q}]) == chat_prompt(q)
     two = "<image><image>Which image has more shapes?"
     assert chat_prompt(two).endswith(f"?{QWEN_VISION}{QWEN_VISION}<|im_end|>\n<|im_start|>assistant\n")
     ids = tok.encode(chat_prompt(q))
