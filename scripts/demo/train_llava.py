@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 
 from duet_testing.demo_tasks import COLORS, GRID, IMAGE_SIZE, KINDS, SIZES, Conversation, Example, Scene, make_conversation
 from scripts.demo.tokenizer import END, IMAGE_TOKEN, PAD, chat_prompt, save_tokenizer, train_tokenizer
+from scripts.demo.train import _bar, lr_at  # the schedule and progress bar both demos train with
 
 PATCH = 16  # one 3x3-grid cell = 2x2 patches: 36 visual tokens per image
 PROBE_WEIGHT = 0.5  # weight of the training-only cell probe's loss (CellProbe)
@@ -199,13 +199,6 @@ def _grouped_loss(model, tok, examples: list[Conversation], ids: dict[str, int],
     return loss
 
 
-def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def train(out: Path, *, steps: int, seed: int = 0, batch_size: int = 32, lr: float = 3e-3, log_every: int = 20,
           progress: bool = True, save: bool = True, checkpoint_every: int = 0,
           probe_weight: float = PROBE_WEIGHT, match_weight: float = MATCH_WEIGHT) -> torch.nn.Module:
@@ -260,12 +253,6 @@ def _save(model, tok, out: Path, log: list[dict], *, seed: int, steps: int) -> N
     with open(out / "train_log.jsonl", "w") as f:
         f.write(json.dumps({"seed": seed, "steps": steps, "torch_threads": torch.get_num_threads()}) + "\n")
         f.writelines(json.dumps(r) + "\n" for r in log)
-
-
-def _bar(total: int):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="train", unit="step")
 
 
 def main(argv: list[str] | None = None) -> int:

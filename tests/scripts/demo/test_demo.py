@@ -26,7 +26,8 @@ from scripts.demo.train import (
 )
 
 
-def _check_answers(examples) -> None:
+def check_answers(examples) -> None:
+    """Each example's answer is what its scenes say (shared with the LLaVA fixture's tests)."""
     for e in examples:
         assert e.question.count("<image>") == len(e.scenes)
         s = e.scenes[0]
@@ -50,7 +51,7 @@ def test_varied_scenes_are_deterministic_and_vary_in_size_and_place():
     assert [(e.question, e.answer) for e in a] == [(e.question, e.answer) for e in b]
     assert np.array_equal(np.asarray(a[3].images()[0]), np.asarray(b[3].images()[0]))
     assert [e.qtype for e in a[:5]] == list(QTYPES)
-    _check_answers(a)
+    check_answers(a)
     scenes = [s for e in a for s in e.scenes]
     sizes = {(s.width, s.height) for s in scenes}
     assert len(sizes) > 40  # canvases of many sizes ...
@@ -78,7 +79,7 @@ def test_outside_scenes_use_what_the_generator_does_not():
     a, b = outside(11, 40), outside(11, 40)
     assert [(e.question, e.answer) for e in a] == [(e.question, e.answer) for e in b]
     assert np.array_equal(np.asarray(a[2].images()[0]), np.asarray(b[2].images()[0]))
-    _check_answers(a)
+    check_answers(a)
     for e in a:
         for s, im in zip(e.scenes, e.images(), strict=True):
             assert im.size == (s.width, s.height)
