@@ -156,6 +156,9 @@ def parse_text_config(t: dict) -> TextConfig:
     return model_family(t.get("model_type"), text=True).parse_text_config(t)
 
 
+VISION_CACHE_SHARE = 0.1  # of kv_cache_memory_gb, for the vision cache unless vision_cache_mb is set
+
+
 @dataclass
 class EngineConfig:
     """Serving knobs. Validated on construction; see the README for defaults."""
@@ -169,7 +172,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # encoded images kept for reuse (engine.vision_cache): at most vision_cache_size of them and vision_cache_mb MiB
+    # (None: a tenth of kv_cache_memory_gb); an image over the whole byte bound is encoded for its request, not kept
     vision_cache_size: int = 64
+    vision_cache_mb: float | None = None
     # Qwen3-VL: run the vision tower ahead of scheduling, in slices of about this many seconds (whole blocks, at
     # least one) at the start of each step; a prompt joins the scheduler once its images are encoded, so prompts
     # without images to encode pass those being encoded. None: each image is encoded whole in the step that first
@@ -210,6 +216,10 @@ class EngineConfig:
             raise ValueError("state_snapshots must be >= 0 (or None)")
         if self.state_snapshot_every_blocks < 0:
             raise ValueError("state_snapshot_every_blocks must be >= 0")
+        if self.vision_cache_size < 0:
+            raise ValueError("vision_cache_size must be >= 0")
+        if self.vision_cache_mb is not None and not self.vision_cache_mb >= 0:
+            raise ValueError("vision_cache_mb must be >= 0 (or None)")
         if self.decode_mirror_tokens is not None and self.decode_mirror_tokens < 1:
             raise ValueError("decode_mirror_tokens must be >= 1 (or None)")
         if self.cpu_linear not in ("auto", "packed", "native"):
@@ -222,6 +232,13 @@ class EngineConfig:
             raise ValueError("scheduling_max_wait_s must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+
+    @property
+    def vision_cache_bytes(self) -> int:
+        mb = self.vision_cache_mb
+        if mb is None:
+            mb = self.kv_cache_memory_gb * 1024 * VISION_CACHE_SHARE
+        return int(mb * 2**20)
 
     def torch_dtype(self, model: ModelConfig) -> torch.dtype:
         name = model.torch_dtype if self.dtype == "auto" else self.dtype

@@ -32,12 +32,14 @@ SNAPSHOT_SHARE = 0.1  # of kv_cache_memory_gb, for hybrid models' state snapshot
 class KVMemory:
     """Cache bytes held by one engine, per kind. ``budget_bytes``: ``kv_cache_memory_gb`` in bytes (None when
     ``num_kv_blocks`` fixed the pool); the mirror's growth past its starting allocation can take ``total_bytes`` over
-    it. ``state_bytes``: hybrid models' GDN state slots (0 otherwise)."""
+    it. ``state_bytes``: hybrid models' GDN state slots (0 otherwise). ``vision_cache_bytes``: encoded images kept
+    for reuse (:mod:`engine.vision_cache`; not KV, so not in ``total_bytes``)."""
 
     pool_bytes: int
     mirror_bytes: int
     budget_bytes: int | None
     state_bytes: int = 0
+    vision_cache_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:

@@ -86,6 +86,7 @@ class LLMEngine(ReceiveMixin):
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   max_model_len=max_len, max_num_seqs=config.max_num_seqs, dtype=self.dtype,
                                   device=self.device, vision_cache_size=config.vision_cache_size,
+                                  vision_cache_bytes=config.vision_cache_bytes,
                                   mirror_tokens=pool.mirror_tokens, num_state_slots=self.num_state_slots + self.num_snapshots,
                                   track_routing=hooks.track_routing, query_window=hooks.query_window)
         self.encoding = VisionStage(self.runner, config.vision_slice_s)  # prompts whose images are being encoded
@@ -106,7 +107,8 @@ class LLMEngine(ReceiveMixin):
         """Cache bytes now: the paged pool, the decode mirror (which grows on demand) and GDN state slots."""
         return KVMemory(pool_bytes=self.runner.pool_nbytes, mirror_bytes=self.runner.mirror.nbytes,
                         budget_bytes=self.kv_budget_bytes,
-                        state_bytes=0 if self.runner.state is None else self.runner.state.nbytes)
+                        state_bytes=0 if self.runner.state is None else self.runner.state.nbytes,
+                        vision_cache_bytes=self.runner.vision_cache.nbytes)
 
     # ----------------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,

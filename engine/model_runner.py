@@ -9,7 +9,6 @@ decode mirror (:mod:`engine.decode_mirror`) and, for hybrid models, the GDN laye
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -30,11 +29,13 @@ from engine.mrope import MRotaryEmbedding, positions as mrope_positions
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 from engine.state_cache import LayerState, StateCache, StateStep
+from engine.vision_cache import VisionCache, VisionEntry
 
 
 class ModelRunner:
     def __init__(self, model: LlavaModel, *, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  dtype: torch.dtype, device: torch.device, vision_cache_size: int = 64,
+                 vision_cache_bytes: int = 256 * 2**20,
                  mirror_tokens: int | None = None, num_state_slots: int = 0, track_routing: bool = False,
                  query_window: int = 0) -> None:
         """``track_routing``, ``query_window``: the owner's :class:`engine.hooks.EngineHooks` switches, fixed here."""
@@ -54,8 +55,7 @@ class ModelRunner:
             RotaryEmbedding(t.rope_dim, t.rope_theta, max_model_len, device) if t.mrope_section is None
             else MRotaryEmbedding(t.rope_dim, t.rope_theta, max_model_len, t.mrope_section, device))
         self.mrope = t.mrope_section is not None
-        self.vision_cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self.vision_cache_size = vision_cache_size
+        self.vision_cache = VisionCache(vision_cache_bytes, vision_cache_size)
         self.query_window = query_window  # > 0: keep the last queries of completing prompts per layer (KV importance)
         self.captured_queries: dict[int, torch.Tensor] = {}  # seq_id -> this layer's window, during a step
         # after execute: (sequence, first prompt position, float32 logits [chunk, vocab]) of the prompt chunks whose
@@ -89,64 +89,62 @@ class ModelRunner:
         self.mirror.release(seq.seq_id)
         seq.kv_dropped, seq.kv_lossy = None, False
 
-    def encode_pending_images(self, seqs: list[Sequence]) -> None:
-        """Compute image features for sequences scheduled for the first time, reusing cached encodings. One tower
-        call per step encodes every distinct image not cached (Qwen3-VL images of any sizes together, each
-        attending only within itself)."""
+    def encode_pending_images(self, seqs: list[Sequence], fresh: dict[bytes, VisionEntry] | None = None) -> None:
+        """Compute image features for sequences scheduled for the first time, reusing cached encodings (and
+        ``fresh``: encodings just made, which an image too large to cache is only in). One tower call per step
+        encodes every distinct image not cached (Qwen3-VL images of any sizes together, each attending only within
+        itself). Cached entries are taken before the call, so what it adds to the cache cannot push them out."""
+        have = dict(fresh or {})
         todo: dict[bytes, tuple[Sequence, int]] = {}  # one encoding per distinct image, however often it appears
         waiting: list[Sequence] = []  # the requests that wait for this step's tower call (its time is theirs)
-        for seq in seqs:
-            if seq.mm is not None and seq.mm.features is None:
-                for i, h in enumerate(seq.mm.image_hashes):
-                    if h not in self.vision_cache and h not in todo:
+        pending = [seq for seq in seqs if seq.mm is not None and seq.mm.features is None]
+        for seq in pending:
+            for i, h in enumerate(seq.mm.image_hashes):
+                if h not in have and h not in todo:
+                    entry = self.vision_cache.get(h)
+                    if entry is not None:
+                        have[h] = entry
+                    else:
                         todo[h] = (seq, i)
-                if any(h not in self.vision_cache for h in seq.mm.image_hashes):
-                    waiting.append(seq)
+            if any(h in todo for h in seq.mm.image_hashes):
+                waiting.append(seq)
         if todo:
             t0 = time.perf_counter()
-            self._encode(todo)
+            have.update(self._encode(todo))
             spent = time.perf_counter() - t0
             for seq in waiting:
                 seq.metrics.vision_s += spent
-        for seq in seqs:
-            if seq.mm is not None and seq.mm.features is None:
-                rows = [self.vision_cache[h] for h in seq.mm.image_hashes]
-                for h in seq.mm.image_hashes:
-                    self.vision_cache.move_to_end(h)
-                if self.model.cfg.is_qwen_vl:
-                    seq.mm.features = torch.cat([f for f, _ in rows], dim=0)
-                    seq.mm.deepstack = None if rows[0][1] is None else torch.cat([d for _, d in rows], dim=1)
-                else:
-                    seq.mm.features = torch.cat(rows, dim=0)
-        while len(self.vision_cache) > self.vision_cache_size:
-            self.vision_cache.popitem(last=False)
+        for seq in pending:
+            rows = [have[h] for h in seq.mm.image_hashes]
+            seq.mm.features = torch.cat([r.features for r in rows], dim=0)
+            if self.model.cfg.is_qwen_vl:
+                seq.mm.deepstack = None if rows[0].deepstack is None else torch.cat([r.deepstack for r in rows], 1)
 
     def clear_vision_cache(self) -> int:
-        n = len(self.vision_cache)
-        self.vision_cache.clear()
-        return n
+        return self.vision_cache.clear()
 
     def grid_inputs(self, todo: dict[bytes, tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         patches = torch.cat([s.mm.pixels()[s.mm.patch_rows(i)] for s, i in todo.values()]).to(self.device)
         return patches, torch.from_numpy(np.stack([s.mm.grid_thw[i] for s, i in todo.values()]))
 
-    def _encode(self, todo: dict[bytes, tuple[Sequence, int]]) -> None:
+    def _encode(self, todo: dict[bytes, tuple[Sequence, int]]) -> dict[bytes, VisionEntry]:
         if not self.model.cfg.is_qwen_vl:
             pixels = torch.stack([s.mm.pixels()[i] for s, i in todo.values()]).to(self.device)
-            for h, f in zip(todo, self.model.encode_images(pixels), strict=True):
-                self.vision_cache[h] = f
-            return
-        self.cache_grid_features(todo, *self.model.encode_grid_images(*self.grid_inputs(todo)))
+            return {h: self.vision_cache.put(h, f)
+                    for h, f in zip(todo, self.model.encode_images(pixels), strict=True)}
+        return self.cache_grid_features(todo, *self.model.encode_grid_images(*self.grid_inputs(todo)))
 
     def cache_grid_features(self, todo: dict[bytes, tuple[Sequence, int]], feats: torch.Tensor,
-                             deepstack: torch.Tensor | None) -> None:
-        """Qwen3-VL: one tower call's rows, split per image into the vision cache."""
-        start = 0
+                            deepstack: torch.Tensor | None) -> dict[bytes, VisionEntry]:
+        """Qwen3-VL: one tower call's rows, split per image into the vision cache; returns each image's entry."""
+        start, made = 0, {}
         for h, (s, i) in todo.items():
             r = s.mm.image_rows(i)
             n = r.stop - r.start
-            self.vision_cache[h] = (feats[start:start + n], None if deepstack is None else deepstack[:, start:start + n])
+            made[h] = self.vision_cache.put(h, feats[start:start + n],
+                                            None if deepstack is None else deepstack[:, start:start + n])
             start += n
+        return made
 
     def _positions(self, seq: Sequence, start: int, n: int) -> np.ndarray:
         """Rotary positions of sequence indices [start, start + n): [n], or [3, n] under M-RoPE."""

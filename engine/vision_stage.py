@@ -110,8 +110,8 @@ class VisionStage:
                     return False
             del self.jobs[seq.seq_id]
             feats, deepstack = tower.finish(tower_job)
-            runner.cache_grid_features(todo, feats, torch.stack(deepstack) if deepstack else None)
+            fresh = runner.cache_grid_features(todo, feats, torch.stack(deepstack) if deepstack else None)
         finally:
             seq.metrics.vision_s += time.perf_counter() - t0
-        runner.encode_pending_images([seq])  # its images are all cached now: sets its features
+        runner.encode_pending_images([seq], fresh)  # its images are all encoded now: sets its features
         return True

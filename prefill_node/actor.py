@@ -94,7 +94,9 @@ class PrefillActor(WorkerActorBase):
                                  prompt_tokens=self.worker.prompt_tokens, cached_tokens=self.worker.cached_tokens,
                                  free_blocks=e.block_manager.num_free_blocks,
                                  kv_pool_bytes=kv.pool_bytes, kv_mirror_bytes=kv.mirror_bytes,
-                                 kv_state_bytes=kv.state_bytes, prefix_cache_off=e.prefix_caching_off_reason,
+                                 kv_state_bytes=kv.state_bytes, vision_cache_bytes=kv.vision_cache_bytes,
+                                 vision_cache_entries=len(e.runner.vision_cache),
+                                 prefix_cache_off=e.prefix_caching_off_reason,
                                  kv_refused=self.manager.refused(), kv_links_replaced=getattr(self.manager, "links_replaced", 0),
                                  cpu_s=time.process_time(),  # every thread's: compute, intake, KV sends
                                  threads=self._threads_now, thread_changes=self.thread_changes, nice=self.nice)

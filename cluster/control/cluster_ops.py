@@ -23,7 +23,8 @@ def status(pool: WorkerPool, timeout_s: float = 5.0) -> list[dict]:
     running, free_blocks``, and ``prompt_tokens`` / ``cached_tokens`` of the prompts it finished; decode:
     ``free_blocks, receiving, running, total_blocks``; both: ``kv_pool_bytes``, ``kv_mirror_bytes`` and
     ``kv_state_bytes`` (hybrid models' GDN state slots), see :func:`kv_memory_summary`; prefill:
-    ``prefix_cache_off``, why it keeps no prefix cache, or None). Prefill rows also carry the front-end's view:
+    ``prefix_cache_off``, why it keeps no prefix cache, or None; ``vision_cache_bytes`` / ``vision_cache_entries``,
+    the encoded images it keeps, :mod:`engine.vision_cache`). Prefill rows also carry the front-end's view:
     ``outstanding_tokens`` (its load signal, :mod:`cluster.control.router`), ``placed_prompt_tokens`` and
     ``predicted_cached_tokens``. A worker that does not answer within ``timeout_s`` is reported with
     ``alive=False``; a dead one the pool healer is replacing or gave up on has ``healing``."""

@@ -266,6 +266,9 @@ _WORKER_GAUGES = (  # stats field, metric, help, roles that report it
      ("prefill", "decode")),
     ("kv_state_bytes", "duet_kv_state_bytes", "Bytes of the worker's GDN state slots (hybrid models; 0 otherwise)",
      ("prefill", "decode")),
+    ("vision_cache_bytes", "duet_vision_cache_bytes",
+     "Bytes of the encoded images the worker keeps for reuse (bounded by vision_cache_mb)", ("prefill",)),
+    ("vision_cache_entries", "duet_vision_cache_entries", "Encoded images the worker keeps for reuse", ("prefill",)),
 )
 
 
