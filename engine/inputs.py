@@ -67,9 +67,20 @@ def image_processor_for(model_dir: str | os.PathLike, cfg: ModelConfig) -> Image
 
 class InputProcessor:
     def __init__(self, cfg: ModelConfig, tokenizer: Tokenizer | None,
-                 image_processor: ImageProcessor | QwenVLImageProcessor | None, max_model_len: int) -> None:
+                 image_processor: ImageProcessor | QwenVLImageProcessor | None, max_model_len: int,
+                 kv_bytes_per_token: int | None = None) -> None:
+        """``kv_bytes_per_token`` (an engine's): a prompt over the context is refused naming its KV bytes too."""
         self.cfg, self.tokenizer, self.image_processor = cfg, tokenizer, image_processor
         self.max_model_len = max_model_len
+        self.kv_bytes_per_token = kv_bytes_per_token
+
+    def _too_long(self, n: int) -> PromptTooLongError:
+        msg = f"prompt has {n} tokens; the context holds {self.max_model_len} (prompt plus generated tokens)"
+        b = self.kv_bytes_per_token
+        if b:
+            msg += (f": its KV would take {n * b / 2**20:.1f} MiB ({b} bytes a token), this worker holds "
+                    f"{self.max_model_len * b / 2**20:.1f} MiB for one sequence")
+        return PromptTooLongError(msg)
 
     def process(self, prompt: Any) -> ProcessedPrompt:
         if isinstance(prompt, str):
@@ -88,8 +99,7 @@ class InputProcessor:
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} (prompt plus generated tokens)")
+            raise self._too_long(len(ids))
         mm = self._mm(ids, images) if counts is None else self._mm_qwen(ids, images, counts)
         return ProcessedPrompt(text if isinstance(text, str) else None, ids, mm)
 
@@ -101,8 +111,7 @@ class InputProcessor:
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} (prompt plus generated tokens)")
+            raise self._too_long(len(ids))
         is_img = np.asarray(ids, dtype=np.int64) == self.cfg.image_token_index
         mm = p.mm
         if mm is None:

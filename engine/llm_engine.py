@@ -90,7 +90,8 @@ class LLMEngine(ReceiveMixin):
                                   mirror_tokens=pool.mirror_tokens, num_state_slots=self.num_state_slots + self.num_snapshots,
                                   track_routing=hooks.track_routing, query_window=hooks.query_window)
         self.encoding = VisionStage(self.runner, config.vision_slice_s)  # prompts whose images are being encoded
-        self.inputs = InputProcessor(cfg, self.tokenizer, self.image_processor, max_len)
+        self.inputs = InputProcessor(cfg, self.tokenizer, self.image_processor, max_len,
+                                     kv_bytes_per_token=self.runner.kv_bytes_per_token)
         self.requests: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
         self._generator = torch.Generator().manual_seed(config.seed)

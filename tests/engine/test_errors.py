@@ -168,6 +168,8 @@ def test_prompt_limit_follows_max_model_len_and_pool(make_llm):
         llm.generate({"prompt_token_ids": [1] * 16}, greedy(2))
     assert len(llm.generate({"prompt_token_ids": [1] * 15}, greedy(4))[0].outputs[0].token_ids) == 1
     small_pool = make_llm(num_kv_blocks=3)  # 12 slots: the pool, not the model, bounds the context
-    with pytest.raises(PromptTooLongError):
+    per_token = small_pool.engine.runner.kv_bytes_per_token
+    with pytest.raises(PromptTooLongError, match=rf"{12 * per_token / 2**20:.1f} MiB \({per_token} bytes a token\)"):
         small_pool.generate({"prompt_token_ids": [1] * 12}, greedy(2))
+    small_pool.engine.block_manager.check_no_leaks()
     _good(llm)
