@@ -14,6 +14,12 @@ copies the partial last block, the first one they write differently (copy-on-wri
 since every choice writes it in its very next step).
 Check-then-act: the scheduler asks :meth:`can_allocate` before :meth:`allocate_prefix` / :meth:`append_slots`.
 
+Blocks can also be **lent** to the vision cache (:meth:`lend`, :mod:`engine.vision_cache`): an encoded image's
+features are stored in the pool's own memory, so KV and cached features share one budget. Lent blocks count as
+free: when KV needs a block and none is free, the lender's ``reclaim`` hands back its least recently used entry's
+blocks first, before a prefix-cached block is evicted (cached features are cheaper to lose than prefix KV: one
+tower call against a prefill).
+
 Hybrid models (GDN layers) also need a per-sequence state slot (:class:`engine.state_cache.StateSlots`, given with
 ``num_state_slots``): :meth:`can_allocate` and :meth:`append_slots` grant a sequence's first blocks only together
 with a slot, and :meth:`free` releases both, so one admission rule covers both kinds of cache. Their prefix cache
@@ -79,6 +85,10 @@ class BlockManager:
         # called with the hash of each cached block evicted (reused for new KV): a prefix cache's owner may tell
         # others what it no longer holds (the prefill worker tells the front-end's router; engine.hooks.EngineHooks)
         self.on_evict = on_evict
+        self.num_lent = 0  # blocks lent out (lend), not in unreferenced
+        # the borrower's: give back at least one lent block (its least recently used entry's, via give_back);
+        # False when it holds none
+        self.reclaim: Callable[[], bool] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -86,8 +96,25 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now (free or evictable cached)."""
-        return len(self.unreferenced)
+        """Blocks that can be handed out now (free, evictable cached, or lent and reclaimable)."""
+        return len(self.unreferenced) + (self.num_lent if self.reclaim is not None else 0)
+
+    def lend(self, n: int) -> list[int] | None:
+        """Take ``n`` blocks out for a borrower's own data (free ones first, then the least recently used prefix
+        blocks, evicted; never other lent blocks): None, nothing taken, when fewer are at hand."""
+        if n > len(self.unreferenced):
+            return None
+        out = [self._pop_unreferenced() for _ in range(n)]
+        self.num_lent += n
+        return out
+
+    def give_back(self, blocks: list[int]) -> None:
+        """Return lent blocks; they are free again."""
+        for bid in blocks:
+            assert bid not in self.unreferenced and self.blocks[bid].ref_count == 0, f"block {bid} was not lent"
+            self.unreferenced[bid] = None
+            self.unreferenced.move_to_end(bid, last=False)
+        self.num_lent -= len(blocks)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
@@ -203,9 +230,21 @@ class BlockManager:
         return parent.block_table[full], child.block_table[-1]
 
     def _take_one(self, seq: Sequence) -> bool:
-        """Append one block to ``seq``'s table (False, nothing changed, when none is free)."""
+        """Append one block to ``seq``'s table (False, nothing changed, when none is free): a free block, else one
+        the vision cache gives back, else the least recently used prefix block."""
+        while self.num_lent and self.reclaim is not None and (
+                not self.unreferenced or self.blocks[next(iter(self.unreferenced))].hash is not None):
+            if not self.reclaim():
+                break
         if not self.unreferenced:
             return False
+        bid = self._pop_unreferenced()
+        self.blocks[bid].ref_count = 1
+        seq.block_table.append(bid)
+        return True
+
+    def _pop_unreferenced(self) -> int:
+        """The first block of the unreferenced queue, its prefix-cache entry (if any) evicted."""
         bid, _ = self.unreferenced.popitem(last=False)
         block = self.blocks[bid]
         if block.hash is not None:
@@ -216,9 +255,7 @@ class BlockManager:
                 if self.on_evict is not None:
                     self.on_evict(block.hash)
             block.hash = None
-        block.ref_count = 1
-        seq.block_table.append(bid)
-        return True
+        return bid
 
     def register_computed(self, seq: Sequence) -> None:
         """Publish the hashes of ``seq``'s blocks whose KV is now fully computed (never for approximate KV), and
@@ -268,7 +305,7 @@ class BlockManager:
         """Assert every block is free or cached with zero references (call when no request is live)."""
         held = [b.block_id for b in self.blocks if b.ref_count != 0]
         assert not held, f"{len(held)} KV block(s) still referenced: {held[:8]}"
-        assert len(self.unreferenced) == len(self.blocks), "unreferenced queue out of sync"
+        assert len(self.unreferenced) + self.num_lent == len(self.blocks), "unreferenced queue out of sync"
         if self.state_slots is not None:
             self.state_slots.check_no_leaks()
         if self.snapshots is not None:

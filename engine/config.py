@@ -173,7 +173,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     # encoded images kept for reuse (engine.vision_cache): at most vision_cache_size of them and vision_cache_mb MiB
-    # (None: a tenth of kv_cache_memory_gb); an image over the whole byte bound is encoded for its request, not kept
+    # (None: a tenth of kv_cache_memory_gb), in KV blocks no sequence uses, given back first when KV needs them; an
+    # image over the whole byte bound is encoded for its request, not kept
     vision_cache_size: int = 64
     vision_cache_mb: float | None = None
     # Qwen3-VL: run the vision tower ahead of scheduling, in slices of about this many seconds (whole blocks, at

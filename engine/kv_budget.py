@@ -1,16 +1,14 @@
 """How big an engine's paged KV pool is, and what its caches hold now.
 
 :func:`plan_pool` turns the serving knobs and the model's per-token KV size into ``(max_model_len, num_kv_blocks)``.
-With ``kv_cache_memory_gb`` (no ``num_kv_blocks``) the budget covers everything attention reads, and the encoded
-images an engine keeps: the decode mirror's starting allocation (:func:`engine.decode_mirror.reserved_bytes`, all of
-it when ``decode_mirror_tokens`` reserves it), hybrid models' GDN state slots and the vision cache's bound
-(``vision_cache_mb``, for a model with a vision tower; decode workers set it to 0) come off first, the pool gets the
-rest, capped at ``max_num_seqs`` full-length sequences and floored at one (a warning when that floor overruns it).
+With ``kv_cache_memory_gb`` (no ``num_kv_blocks``) the budget covers everything attention reads: the decode
+mirror's starting allocation (:func:`engine.decode_mirror.reserved_bytes`, all of it when ``decode_mirror_tokens``
+reserves it) and hybrid models' GDN state slots come off first, the pool gets the rest, capped at ``max_num_seqs``
+full-length sequences and floored at one (a warning when that floor overruns the budget).
 
 Worked example: 1 GiB, 16-token blocks, 64 KiB of KV per token (1 MiB per block), a 4096-token context, 8
-sequences, no mirror reservation (8 slots of 256 tokens: 128 MiB), no state, a vision tower with the default vision
-cache (a tenth: 102.4 MiB): ``(1024 - 128 - 102.4) // 1 = 793`` blocks by memory, under the cap of ``8 * 256 =
-2048`` -> 793 blocks, ``max_model_len`` 4096.
+sequences, no mirror reservation (8 slots of 256 tokens: 128 MiB), no state: ``(1024 - 128) // 1 = 896`` blocks by
+memory, under the cap of ``8 * 256 = 2048`` -> 896 blocks, ``max_model_len`` 4096.
 """
 
 from __future__ import annotations
@@ -56,12 +54,9 @@ class PoolPlan:
     mirror_tokens: int | None  # decode mirror tokens reserved per sequence (decode_mirror_tokens, capped); None: grown
 
 
-def plan_pool(c: EngineConfig, t: TextConfig, dtype: torch.dtype, num_state_slots: int,
-              vision_cache_bytes: int = 0) -> PoolPlan:
+def plan_pool(c: EngineConfig, t: TextConfig, dtype: torch.dtype, num_state_slots: int) -> PoolPlan:
     """Size the KV pool of an engine with knobs ``c`` for text model ``t`` in ``dtype`` with ``num_state_slots`` GDN
-    state slots (0 unless hybrid); ``vision_cache_bytes`` (the vision cache's bound, for an engine that encodes
-    images) comes off the budget like the mirror's reservation. Raises :class:`CheckpointError` when
-    ``max_model_len`` exceeds the model's limit."""
+    state slots (0 unless hybrid). Raises :class:`CheckpointError` when ``max_model_len`` exceeds the model's limit."""
     limit = t.max_position_embeddings if t.sliding_window is None else min(t.max_position_embeddings, t.sliding_window)
     if c.max_model_len is not None and c.max_model_len > limit:
         raise CheckpointError(f"max_model_len {c.max_model_len} exceeds the model's limit of {limit} positions")
@@ -77,14 +72,13 @@ def plan_pool(c: EngineConfig, t: TextConfig, dtype: torch.dtype, num_state_slot
     else:
         budget = int(c.kv_cache_memory_gb * 2**30)
         mirror = reserved_bytes(c.max_num_seqs, per_token, mirror_tokens)
-        others = mirror + state + vision_cache_bytes
-        by_memory = max(0, budget - others) // per_block
+        by_memory = max(0, budget - mirror - state) // per_block
         num_blocks = max(blocks_per_seq, min(by_memory, blocks_per_seq * c.max_num_seqs))
-        if num_blocks * per_block + others > budget:
-            logger.warning("kv_cache_memory_gb=%g holds %d KV blocks after the decode mirror's %.1f MiB and the "
-                           "vision cache's %.1f MiB; allocating %d (one %d-token sequence): %.1f MiB over budget",
-                           c.kv_cache_memory_gb, by_memory, mirror / 2**20, vision_cache_bytes / 2**20, num_blocks,
-                           max_len, (num_blocks * per_block + others - budget) / 2**20)
+        if num_blocks * per_block + mirror + state > budget:
+            logger.warning("kv_cache_memory_gb=%g holds %d KV blocks after the decode mirror's %.1f MiB; "
+                           "allocating %d (one %d-token sequence): %.1f MiB over budget", c.kv_cache_memory_gb,
+                           by_memory, mirror / 2**20, num_blocks, max_len,
+                           (num_blocks * per_block + mirror + state - budget) / 2**20)
     return PoolPlan(min(max_len, num_blocks * c.block_size), num_blocks, budget, mirror_tokens)
 
 

@@ -23,6 +23,7 @@ from engine.hooks import EngineHooks
 from engine.inputs import InputProcessor, ProcessedPrompt, image_processor_for
 from engine.isolation import describe, edit_rows, non_finite_rows
 from engine.kv_budget import KVMemory, plan_pool, state_snapshots
+from engine.vision_cache import PoolStore
 from engine.model import LlavaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
@@ -72,8 +73,7 @@ class LLMEngine(ReceiveMixin):
             if cfg.text.is_hybrid and config.enable_prefix_caching and not self.num_snapshots else None)
         if self.prefix_caching_off_reason and config.enable_prefix_caching:
             logger.info("prefix caching off: %s", self.prefix_caching_off_reason)
-        vision_bytes = config.vision_cache_bytes if cfg.vision is not None else 0
-        pool = plan_pool(config, cfg.text, self.dtype, self.num_state_slots + self.num_snapshots, vision_bytes)
+        pool = plan_pool(config, cfg.text, self.dtype, self.num_state_slots + self.num_snapshots)
         self.max_model_len = max_len = pool.max_model_len
         self.kv_budget_bytes, num_blocks = pool.budget_bytes, pool.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
@@ -87,9 +87,12 @@ class LLMEngine(ReceiveMixin):
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   max_model_len=max_len, max_num_seqs=config.max_num_seqs, dtype=self.dtype,
                                   device=self.device, vision_cache_size=config.vision_cache_size,
-                                  vision_cache_bytes=vision_bytes,
+                                  vision_cache_bytes=config.vision_cache_bytes if cfg.vision is not None else 0,
                                   mirror_tokens=pool.mirror_tokens, num_state_slots=self.num_state_slots + self.num_snapshots,
                                   track_routing=hooks.track_routing, query_window=hooks.query_window)
+        # cached image features live in KV blocks the block manager lends, given back first when KV needs them
+        self.runner.vision_cache.store = PoolStore(self.runner.pool, self.block_manager)
+        self.block_manager.reclaim = self.runner.vision_cache.reclaim
         self.encoding = VisionStage(self.runner, config.vision_slice_s)  # prompts whose images are being encoded
         self.inputs = InputProcessor(cfg, self.tokenizer, self.image_processor, max_len,
                                      kv_bytes_per_token=self.runner.kv_bytes_per_token)

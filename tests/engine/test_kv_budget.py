@@ -20,22 +20,18 @@ def _per_token(tiny_model_dir) -> int:
     return llm.engine.runner.kv_bytes_per_token
 
 
-@pytest.mark.parametrize("vision_mb", [0, 0.01], ids=["no-vision-cache", "vision-cache"])
 @pytest.mark.parametrize("mirror_tokens", [None, 32], ids=["mirror-on-demand", "mirror-reserved"])
-def test_pool_plus_mirror_reservation_stay_within_the_budget(tiny_model_dir, mirror_tokens, vision_mb):
-    """The mirror's starting allocation and the vision cache's bound come off the budget; the pool gets the rest."""
+def test_pool_plus_mirror_reservation_stay_within_the_budget(tiny_model_dir, mirror_tokens):
     per_token = _per_token(tiny_model_dir)
     reserved = reserved_bytes(SEQS, per_token, mirror_tokens)
-    vision = int(vision_mb * 2**20)
-    budget = reserved + vision + 400 * per_token + 3  # room for exactly 100 blocks of 4 tokens after the others
+    budget = reserved + 400 * per_token + 3  # room for exactly 100 blocks of 4 tokens after the mirror
     llm = LLM(tiny_model_dir, dtype="float32", block_size=BLOCK, max_num_seqs=SEQS, max_model_len=MAX_LEN,
-              kv_cache_memory_gb=budget / 2**30, decode_mirror_tokens=mirror_tokens, vision_cache_mb=vision_mb)
+              kv_cache_memory_gb=budget / 2**30, decode_mirror_tokens=mirror_tokens)
     kv = llm.engine.kv_memory()
     assert llm.engine.block_manager.num_blocks == 100
     assert kv.pool_bytes == 100 * BLOCK * per_token
     assert kv.mirror_bytes == reserved == llm.engine.runner.mirror.nbytes
-    assert llm.engine.runner.vision_cache.capacity_bytes == vision
-    assert kv.total_bytes == kv.pool_bytes + kv.mirror_bytes <= kv.budget_bytes - vision
+    assert kv.total_bytes == kv.pool_bytes + kv.mirror_bytes <= kv.budget_bytes == budget
 
 
 def test_worked_reservations():
@@ -49,7 +45,7 @@ def test_budget_below_one_sequence_warns_and_keeps_one(tiny_model_dir, caplog):
     budget = reserved_bytes(SEQS, per_token)  # the mirror takes all of it
     with caplog.at_level(logging.WARNING, logger="engine.llm_engine"):
         llm = LLM(tiny_model_dir, dtype="float32", block_size=BLOCK, max_num_seqs=SEQS, max_model_len=MAX_LEN,
-                  kv_cache_memory_gb=budget / 2**30, vision_cache_mb=0)
+                  kv_cache_memory_gb=budget / 2**30)
     assert llm.engine.block_manager.num_blocks == MAX_LEN // BLOCK
     assert "over budget" in caplog.text
 

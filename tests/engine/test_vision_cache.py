@@ -82,3 +82,100 @@ def test_an_image_over_the_bound_is_encoded_for_its_request_and_not_kept(hf_dir)
     assert len(cache) == 1 and 0 < cache.nbytes <= 0.004 * 2**20
     assert llm.engine.kv_memory().vision_cache_bytes == cache.nbytes
     assert_no_leaked_blocks(llm)
+
+
+# -- cached features in lent KV blocks (one budget with KV) ------------------------------------------------------
+
+def small_pool(num_blocks: int = 8, layers: int = 2, block_size: int = 4, dtype=torch.float32):
+    from engine.block_manager import BlockManager
+    from engine.vision_cache import PoolStore
+
+    shape = (num_blocks, block_size, 2, 4)  # 2 KV heads of 4: 32 values per tensor per block
+    pool = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(layers)]
+    bm = BlockManager(num_blocks, block_size)
+    return pool, bm, PoolStore(pool, bm)
+
+
+def test_entries_round_trip_through_lent_blocks_exactly():
+    pool, bm, store = small_pool()
+    assert store.block_bytes == 2 * 2 * 4 * 2 * 4 * 4  # 2 layers x K,V x 32 float32 values
+    cache = VisionCache(10**6, 8, store)
+    gen = torch.Generator().manual_seed(0)
+    feats, deep = torch.randn(5, 24, generator=gen), torch.randn(2, 5, 24, generator=gen)  # 1440 B: 3 blocks
+    cache.put(b"a", feats, deep)
+    half = torch.randn(7, 8, generator=gen).to(torch.bfloat16)
+    cache.put(b"b", half)
+    assert bm.num_lent == 3 + 1 and bm.num_free_blocks == 4 and cache.nbytes == 4 * store.block_bytes
+    bm.reclaim = cache.reclaim  # reclaimable: lent blocks count as free
+    assert bm.num_free_blocks == 8
+    a, b = cache.get(b"a"), cache.get(b"b")
+    assert torch.equal(a.features, feats) and torch.equal(a.deepstack, deep) and a.features.dtype == torch.float32
+    assert torch.equal(b.features, half) and b.deepstack is None and b.features.dtype == torch.bfloat16
+    assert cache.clear() == 2 and bm.num_lent == 0
+    bm.check_no_leaks()
+
+
+def test_kv_takes_lent_blocks_back_before_evicting_prefix_blocks():
+    from tests.engine.test_block_manager import admit, make_seq
+
+    pool, bm, store = small_pool(num_blocks=4)
+    cache = VisionCache(10**6, 8, store)
+    bm.reclaim = cache.reclaim
+    cached = make_seq(list(range(8)))  # two full blocks, then registered: a prefix cache entry
+    admit(bm, cached)
+    cached.num_computed_tokens = 8
+    bm.register_computed(cached)
+    bm.free(cached)
+    cache.put(b"old", torch.ones(2, 8))  # 64 B: one 512-byte block each
+    cache.put(b"new", torch.ones(2, 8))
+    assert bm.num_lent == 2 and bm.num_free_blocks == 4
+    seq = make_seq([100, 101, 102, 103, 104])  # needs 2 blocks: both come from the vision cache, oldest first
+    admit(bm, seq)
+    assert b"old" not in cache and b"new" not in cache and cache.evictions == 2 and bm.num_lent == 0
+    again = make_seq(list(range(8)) + [9])
+    assert len(bm.lookup_prefix(again)) == 2  # the prefix blocks survived
+    bm.free(seq)
+    bm.check_no_leaks()
+
+
+def test_a_full_pool_makes_room_from_the_cache_itself_or_keeps_nothing():
+    from tests.engine.test_block_manager import admit, make_seq
+
+    pool, bm, store = small_pool(num_blocks=3)
+    cache = VisionCache(10**6, 8, store)
+    bm.reclaim = cache.reclaim
+    cache.put(b"a", torch.ones(2, 8))
+    cache.put(b"b", torch.ones(2, 8))
+    running = make_seq([1, 2, 3, 4])
+    admit(bm, running)  # the one free block
+    e = cache.put(b"c", torch.full((2, 8), 3.0))  # no free block: its own oldest entry makes room
+    assert b"a" not in cache and b"c" in cache and torch.equal(cache.get(b"c").features, e.features)
+    big = cache.put(b"d", torch.ones(20, 8))  # 640 B, 2 blocks of 512: both entries give theirs back
+    assert b"d" in cache and len(cache) == 1 and torch.equal(cache.get(b"d").features, big.features)
+    bm.free(running)
+    admit(bm, make_seq(list(range(12))))  # KV takes the whole pool back
+    assert len(cache) == 0 and bm.num_lent == 0
+    assert cache.put(b"e", torch.ones(2, 8)).features.shape == (2, 8) and len(cache) == 0  # nothing to lend
+
+
+def test_engine_cache_lives_in_the_pool_and_yields_it_to_kv(hf_dir):  # noqa: F811
+    im = image(31, SIZES["100x61"])
+    llm = LLM(hf_dir, **ENGINE)
+    bm, cache = llm.engine.block_manager, llm.engine.runner.vision_cache
+    ids = build_prompt([im], hf_dir)
+    first = llm.generate([request(ids, [im])], greedy(3))[0].outputs[0].token_ids
+    assert len(cache) == 1 and bm.num_lent > 0 and cache.nbytes == bm.num_lent * cache.store.block_bytes
+    assert llm.engine.kv_memory().vision_cache_bytes == cache.nbytes
+    free_before = bm.num_free_blocks
+    # two text prompts that need every block of the pool together: the cached image gives its blocks back
+    n = bm.num_blocks * 4 // 2  # 48 blocks each (one token is sampled in the prefill step: no decode block)
+    llm.generate([{"prompt_token_ids": [5 + (i * (k + 1)) % 50 for i in range(n)]} for k in range(2)], greedy(1))
+    assert len(cache) == 0 and bm.num_lent == 0 and bm.num_free_blocks == free_before
+    calls = []
+    hook = llm.engine.model.vision.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        again = llm.generate([request(ids, [im])], greedy(3))[0].outputs[0].token_ids
+    finally:
+        hook.remove()
+    assert again == first and calls == [1]  # encoded again, the same answer
+    assert_no_leaked_blocks(llm)
