@@ -33,7 +33,7 @@ class KVMemory:
     """Cache bytes held by one engine, per kind. ``budget_bytes``: ``kv_cache_memory_gb`` in bytes (None when
     ``num_kv_blocks`` fixed the pool); the mirror's growth past its starting allocation can take ``total_bytes`` over
     it. ``state_bytes``: hybrid models' GDN state slots (0 otherwise). ``vision_cache_bytes``: encoded images kept
-    for reuse (:mod:`engine.vision_cache`; not KV, so not in ``total_bytes``)."""
+    for reuse (:mod:`engine.vision_cache`), in blocks the pool lends: part of ``pool_bytes``, not more."""
 
     pool_bytes: int
     mirror_bytes: int
