@@ -1,5 +1,5 @@
 """ClusterStatus (gRPC) of a hybrid model: GDN state bytes per worker and in total, its prefix cache's hit rate, and
-why prefix caching is off when it is (``state_snapshots=0``)."""
+why prefix caching is off when it is (``state_snapshots=0``); each prefill worker's vision cache bytes."""
 
 from __future__ import annotations
 
@@ -35,3 +35,12 @@ def test_cluster_status_reports_a_hybrid_prefix_caches_hits():
     st = status_to_proto(_status(rows))
     assert st.prefix_cache_off_reason == "" and st.workers[0].prefix_cache_off == ""
     assert abs(st.prefix_hit_rate - 0.75) < 1e-6
+
+
+def test_cluster_status_reports_each_workers_vision_cache_bytes():
+    rows = [{"worker_id": "prefill-0", "role": "prefill", "alive": True, "kv_pool_bytes": 100, "kv_mirror_bytes": 0,
+             "vision_cache_bytes": 48, "vision_cache_entries": 2},
+            {"worker_id": "decode-0", "role": "decode", "alive": True, "kv_pool_bytes": 200, "kv_mirror_bytes": 20}]
+    st = status_to_proto(_status(rows))
+    assert [w.vision_cache_bytes for w in st.workers] == [48, 0]
+    assert st.kv_memory_bytes == 100 + 200 + 20  # the cache's blocks are part of the pool's bytes
