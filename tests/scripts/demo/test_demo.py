@@ -118,6 +118,19 @@ def test_training_is_deterministic(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_two_workers_train_deterministically(tmp_path):
+    """Data-parallel training (two one-thread processes, gradients averaged over gloo) gives the same checkpoint on a
+    rerun, and logs each loss term averaged over the workers."""
+    from safetensors.torch import load_file
+
+    for run in ("a", "b"):
+        assert train(tmp_path / run, steps=2, batch_size=4, progress=False, workers=2) is None
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    log = [json.loads(line) for line in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
+    assert log[0]["workers"] == 2 and {"loss", "answers", "token_probe"} <= log[-1].keys()
+
+
 def test_shipped_checkpoint_is_what_the_script_generates(tmp_path):
     tok = train_tokenizer()
     save_tokenizer(tok, tmp_path)
