@@ -186,7 +186,9 @@ class QwenVisionTower(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        # weights given: no random init, whose first use on the meta device imports torch._dynamo (1.1 s at start-up)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size,
+                                      _weight=torch.empty(cfg.num_position_embeddings, cfg.hidden_size))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(cfg, postshuffle=True)
