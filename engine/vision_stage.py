@@ -35,7 +35,9 @@ class VisionStage:
     def __init__(self, runner: ModelRunner, slice_s: float | None) -> None:
         self.runner, self.slice_s = runner, slice_s
         self.queue: deque[Sequence] = deque()
-        self.jobs: dict[int, tuple[dict, Any]] = {}  # seq id -> (its images to encode, the tower call in progress)
+        # seq id -> (its images to encode, the tower call in progress, its images that were cached when it started:
+        # taken then, so KV reclaiming the cache's blocks meanwhile does not send them to the tower again)
+        self.jobs: dict[int, tuple[dict, Any, dict]] = {}
         self._turn = True  # the next step with work on both sides is a slice here
 
     def __bool__(self) -> bool:
@@ -100,9 +102,10 @@ class VisionStage:
                 runner.encode_pending_images([seq])  # every image cached: sets its features
                 return True
             t0 = time.perf_counter()
-            job = self.jobs[seq.seq_id] = (todo, tower.start(*runner.grid_inputs(todo)))
+            cached = {h: e for h in seq.mm.image_hashes if h not in todo and (e := runner.vision_cache.get(h))}
+            job = self.jobs[seq.seq_id] = (todo, tower.start(*runner.grid_inputs(todo)), cached)
             seq.metrics.vision_s += time.perf_counter() - t0
-        todo, tower_job = job
+        todo, tower_job, cached = job
         t0 = time.perf_counter()
         try:
             while not tower.advance(tower_job, rows=VISION_SLICE_ROWS):
@@ -113,5 +116,5 @@ class VisionStage:
             fresh = runner.cache_grid_features(todo, feats, torch.stack(deepstack) if deepstack else None)
         finally:
             seq.metrics.vision_s += time.perf_counter() - t0
-        runner.encode_pending_images([seq], fresh)  # its images are all encoded now: sets its features
+        runner.encode_pending_images([seq], {**cached, **fresh})  # its images are all encoded now: sets its features
         return True

@@ -179,3 +179,33 @@ def test_engine_cache_lives_in_the_pool_and_yields_it_to_kv(hf_dir):  # noqa: F8
         hook.remove()
     assert again == first and calls == [1]  # encoded again, the same answer
     assert_no_leaked_blocks(llm)
+
+
+def test_a_sliced_encoding_keeps_the_images_that_were_cached_when_it_started(hf_dir):  # noqa: F811
+    """The vision stage takes a prompt's cached images when its tower job starts: KV reclaiming the cache's blocks
+    while the job runs in slices does not send them to the tower again, and the answer is the whole-call engine's."""
+    old, new = image(41, SIZES["47x133"]), image(42, SIZES["100x61"])
+    ids = build_prompt([old, new], hf_dir, seed=4)
+    want = LLM(hf_dir, **ENGINE).generate([request(ids, [old, new])], greedy(3))[0].outputs[0].token_ids
+    llm = LLM(hf_dir, **ENGINE, vision_slice_s=1e-6)
+    eng = llm.engine
+    llm.generate([request(build_prompt([old], hf_dir), [old])], greedy(1))  # `old` is cached now
+    encoded = []
+    hook = eng.model.vision.register_forward_hook(lambda *a: encoded.append(1))
+    starts = []
+    start = eng.model.vision.start
+    eng.model.vision.start = lambda *a, **k: starts.append(int(a[1].shape[0])) or start(*a, **k)
+    try:
+        eng.add_request("both", request(ids, [old, new]), greedy(3))
+        eng.step()  # the job starts (one slice)
+        assert eng.encoding.jobs and len(eng.runner.vision_cache) == 1
+        eng.runner.vision_cache.clear()  # as when KV takes the blocks back
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += [o for o in eng.step() if o.finished]
+    finally:
+        hook.remove()
+        del eng.model.vision.start
+    assert starts == [1] and encoded == []  # one tower job, for the new image only; no whole call after it
+    assert outs[0].outputs[0].token_ids == want
+    assert_no_leaked_blocks(llm)
