@@ -44,3 +44,4 @@ def test_cluster_status_reports_each_workers_vision_cache_bytes():
     st = status_to_proto(_status(rows))
     assert [w.vision_cache_bytes for w in st.workers] == [48, 0]
     assert st.kv_memory_bytes == 100 + 200 + 20  # the cache's blocks are part of the pool's bytes
+    assert cluster_ops.kv_memory_summary(rows)["vision_cache_bytes"] == 48  # the HTTP status's kv_memory
