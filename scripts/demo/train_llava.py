@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from duet_testing.demo_tasks import COLORS, GRID, IMAGE_SIZE, KINDS, SIZES, Conversation, Example, Scene, make_conversation
+from scripts.demo.probes import asked_shape
 from scripts.demo.tokenizer import END, IMAGE_TOKEN, PAD, chat_prompt, save_tokenizer, train_tokenizer
-from scripts.demo.train import _bar, lr_at  # the schedule and progress bar both demos train with
+from scripts.demo.train import _bar, lr_at, pad_batch  # the schedule, batching and progress bar both demos use
 
 PATCH = 16  # one 3x3-grid cell = 2x2 patches: 36 visual tokens per image
 PROBE_WEIGHT = 0.5  # weight of the training-only cell probe's loss (CellProbe)
@@ -74,17 +75,8 @@ def encode(tok, conv: Conversation | Example, ids: dict[str, int]) -> tuple[list
 
 
 def make_batch(tok, examples: list[Conversation | Example], ids: dict[str, int]) -> dict[str, torch.Tensor]:
-    seqs = [encode(tok, e, ids) for e in examples]
-    n = max(len(s) for s, _ in seqs)
-    input_ids = torch.full((len(seqs), n), ids[PAD])
-    labels = torch.full((len(seqs), n), -100)
-    mask = torch.zeros((len(seqs), n), dtype=torch.long)
-    for i, (s, lab) in enumerate(seqs):
-        input_ids[i, : len(s)] = torch.tensor(s)
-        labels[i, : len(s)] = torch.tensor(lab)
-        mask[i, : len(s)] = 1
-    images = [im for e in examples for im in e.images()]
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "pixel_values": pixel_values(images)}
+    batch = pad_batch([encode(tok, e, ids) for e in examples], ids[PAD])
+    return {**batch, "pixel_values": pixel_values([im for e in examples for im in e.images()])}
 
 
 class CellProbe(torch.nn.Module):
@@ -150,14 +142,8 @@ def _cell_patches() -> torch.Tensor:
 
 def asked_cell(scene: Scene, question: str) -> int | None:
     """The grid cell of the shape a colour or place question names (None for other questions)."""
-    words = question.replace(IMAGE_TOKEN, "").removesuffix("?").split()
-    if "What color is the" in question:
-        hits = [s for s in scene.shapes if s.kind == words[-1]]
-    elif "Where is the" in question:
-        hits = [s for s in scene.shapes if (s.color, s.kind) == (words[-2], words[-1])]
-    else:
-        return None
-    return hits[0].row * GRID + hits[0].col if len(hits) == 1 else None
+    shape = asked_shape(scene, question)
+    return None if shape is None else shape.row * GRID + shape.col
 
 
 def _grouped_loss(model, tok, examples: list[Conversation], ids: dict[str, int], probe: CellProbe | None = None,

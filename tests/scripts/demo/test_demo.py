@@ -13,17 +13,8 @@ from cluster.demo import DEMO_MODEL_DIR
 from duet_testing.demo_tasks import COUNT_WORDS, GRID, MAX_ASPECT, MAX_SIDE, MIN_SIDE, QTYPES, describe, make_dataset
 from engine import LLM, SamplingParams
 from scripts.demo.tokenizer import IMAGE_PAD, QWEN_VISION, chat_prompt, save_tokenizer, train_tokenizer
-from scripts.demo.train import (
-    MatchProbe,
-    TokenProbe,
-    asked_shape,
-    build_model,
-    centre_token,
-    encode,
-    processor_config,
-    token_targets,
-    train,
-)
+from scripts.demo.probes import MatchProbe, TokenProbe, asked_shape, centre_token, token_targets
+from scripts.demo.train import build_model, encode, processor_config, train
 
 
 def check_answers(examples) -> None:
@@ -111,11 +102,16 @@ def test_tokenizer_chat_template_and_image_markers(tmp_path):
     assert tok.decode(tok.encode("red circle top left", add_special_tokens=False)) == "red circle top left"
 
 
-def test_training_is_deterministic(tmp_path):
+def check_deterministic(train, tmp_path) -> None:
+    """Two short runs of ``train`` from the same seed give identical weights (shared with the LLaVA fixture's tests)."""
     a = train(tmp_path / "a", steps=2, batch_size=2, progress=False, save=False).state_dict()
     b = train(tmp_path / "b", steps=2, batch_size=2, progress=False, save=False).state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_training_is_deterministic(tmp_path):
+    check_deterministic(train, tmp_path)
 
 
 def test_two_workers_train_deterministically(tmp_path):
