@@ -7,6 +7,7 @@ Subclasses set ``role`` and ``self.manager``, build ``self.worker`` (with ``has_
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import threading
@@ -59,6 +60,10 @@ class WorkerActorBase:
             finally:
                 built.set()
             self._go.wait()
+            # what loading left behind goes, and the loaded objects leave the cyclic collector's scans: a full
+            # collection walked them all and paused a step (served text TTFT, 2 cores: 35.1 -> 33.9 ms)
+            gc.collect()
+            gc.freeze()
             if not self.stopped:
                 self._loop()
 

@@ -99,6 +99,8 @@ class DecodeStreams:
                 queue = self._inboxes.get(ev.request_id)
                 if queue is not None:
                     queue.put_nowait(ev)
+            if events:  # the requests just woken go on before the next poll is sent: sending it holds this loop
+                await asyncio.sleep(0)  # ~1 ms, which a first token waited (1.8 ms median, 2 cores)
         # marked dead elsewhere (a failed call, a health-ping timeout, its group re-formed): its requests end now
         self._fail_requests_of(w.worker_id, f"decode worker {w.worker_id} is gone ({w.dead_reason or 'unresponsive'})")
 

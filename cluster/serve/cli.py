@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -143,6 +144,8 @@ async def _serve(holder: list, cfg, rebuild, *, embedded: bool) -> None:
     # without a rebuild (Ray was started by someone else in this process) a lost head is still refused, not waited on
     watch = HeadWatch(server, rebuild or _no_rebuild, restart_after_s=5.0 if embedded and rebuild else None)
     watch.start()
+    gc.collect()  # start-up's leftovers go; what is loaded by now leaves the cyclic collector's scans (as the workers')
+    gc.freeze()
     print(server.ready_line(), flush=True)
     try:
         await stop.wait()

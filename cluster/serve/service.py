@@ -143,8 +143,8 @@ class InferenceService:
             self._check_request_id(rid)
             self._running[rid], registered = queue, True
             loop = asyncio.get_running_loop()
-            prompt = await loop.run_in_executor(self._pool, self._build_prompt, req)
-            prepared = await loop.run_in_executor(self._pool, self.cluster.prepare, prompt)
+            # one trip to a preprocessing thread: each hop between threads costs a woken thread (~0.3 ms, 2 cores)
+            prepared = await loop.run_in_executor(self._pool, lambda: self.cluster.prepare(self._build_prompt(req)))
             clock.preprocess_s = time.monotonic() - clock.arrival
             prompt_ids = prepared[0].token_ids
             if len(prompt_ids) > self.max_prompt_tokens:

@@ -180,3 +180,31 @@ def test_a_local_admission_checks_at_once_and_an_abort_before_its_step_leaves_no
         assert actor.abort(rid)
     _idle(actor)
     assert not actor._intake
+
+
+@pytest.mark.parametrize("actor", [{"max_threads": 2}], indirect=True)
+def test_a_first_token_on_its_way_keeps_steps_narrow_until_the_front_end_polls_again(actor):
+    """While an urgent event (here a first token) is unpolled or just replied, steps keep to ``num_threads`` so the
+    front-end's process has a core to take it; the front-end's next poll ends that. A front-end that does not poll
+    holds nothing up: the loop waits for a pick-up once per urgent event, at most ``PICKUP_S``, and the hand-off
+    ends after ``HANDOFF_S`` whatever happens."""
+    from decode_node import actor as actor_mod
+
+    prompt = InputProcessor(actor.worker.engine.model_config, None, None, 128).process(make_request(7, seed=3))
+    messages.unpack(actor.admit_local(messages.pack(
+        request_id="h", prompt=prompt_wire.prompt_to_wire(prompt, for_encoder=False),
+        params=messages.params_to_dict(greedy(30)))))
+    end = time.monotonic() + 60
+    while actor._urgent_n == 0:  # nobody polls: the first token waits in pending
+        assert time.monotonic() < end
+        time.sleep(0.001)
+    assert actor._handoff_until > 0 and actor._urgent
+    first = [event_from_wire(w) for w in messages.unpack(actor.poll(1.0))["events"]]
+    assert first and first[0].kv_transfer is not None and actor._handed
+    messages.unpack(actor.poll(0.0))  # the front-end is back: the hand-off is over
+    assert actor._handoff_until == 0.0 and not actor._handed
+    events = _poll_until(actor, lambda evs: any(e.finished for e in evs))
+    assert sum(len(e.token_ids) for e in first + events) == 30
+    assert actor._picked_n == actor._urgent_n == 2  # the first token and the end, each waited for once
+    assert 0 < actor_mod.PICKUP_S <= 0.01 and 0 < actor_mod.HANDOFF_S <= 0.05
+    _idle(actor)

@@ -199,3 +199,37 @@ def test_a_local_prefill_waits_behind_at_most_one_prompt_of_its_length():
     assert pick(LOCAL_PENDING_MIN_TOKENS // 2 + 1) is None
     w.local_tokens, w.load.free_blocks = 0, 10
     assert pick(160) is w and pick(161) is None  # 10 blocks of 16 tokens hold 160
+
+
+def test_a_woken_request_runs_before_the_next_poll_is_sent():
+    """Sending a poll holds the front-end loop (~1 ms with Ray): the requests a reply woke go first, so a first token
+    does not wait for it."""
+    from node_common import messages
+
+    order: list[str] = []
+    replies = [messages.pack(events=[TokenEvent("r", 0, [7]).to_wire()], free_blocks=3)]
+
+    def poll(timeout_s, epoch=0, coalesce_s=0.0):
+        order.append("poll")
+        if not replies:
+            w.mark_dead("test over")
+
+        async def reply():
+            return replies.pop() if replies else messages.pack(events=[], free_blocks=3)
+        return reply()
+
+    w = Worker(WorkerLoad("decode-0"), SimpleNamespace(poll=SimpleNamespace(remote=poll)))
+
+    async def run():
+        streams = DecodeStreams()
+        with streams.inbox("r", "decode-0") as q:
+            async def consume():
+                ev = await q.get()
+                order.append(f"token {ev.token_ids}")
+            consumer = asyncio.create_task(consume())
+            await asyncio.sleep(0)  # the consumer waits on its inbox
+            await asyncio.wait_for(streams.poll(w, lambda w, why: None), timeout=10)
+            await consumer
+
+    asyncio.run(run())
+    assert order[:3] == ["poll", "token [7]", "poll"]
