@@ -31,6 +31,7 @@ from kv_transfer import DEFAULT_LEASE, ClusterSecret, LeasePolicy, get_manager_c
 from node_common import messages, prompt_wire
 from node_common.core_share import BusyBoard, CoreShare
 from node_common.events import DecodeEvent, RequestFailed, TokenEvent
+from node_common.lane import LaneServer
 from node_common.worker_actor import WorkerActorBase
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class DecodeActor(WorkerActorBase):
         self._picked_n = 0
         self.epoch = 0  # the front-end generation served (reset); polls of another get nothing
         self._store = None  # rank 0 of an expert-parallel group hosts the rendezvous store
+        self._lane: LaneServer | None = None  # the front-end's loopback lane (lane), opened on its first ask
+        self._lane_lock = threading.Lock()
         if ep is None:
             self._start()
 
@@ -219,6 +222,26 @@ class DecodeActor(WorkerActorBase):
             self._replied_at = time.monotonic()
         return messages.pack(events=[ev.to_wire() for ev in events], free_blocks=self.worker.free_blocks)
 
+    def lane(self) -> bytes:
+        """Open (once) this worker's loopback lane (:mod:`node_common.lane`): ``{host, port, token, node_ip}``. Over
+        it the front-end receives what :meth:`poll` returns, pushed as it is produced, and calls :meth:`admit_local`;
+        a front-end on another node (``node_ip`` not its own) keeps to Ray."""
+        import ray
+
+        with self._lane_lock:
+            if self._lane is None:
+                self._lane = LaneServer(self._lane_events, {"admit_local": self.admit_local})
+            lane = self._lane
+        return messages.pack(host=lane.host, port=lane.port, token=lane.token,
+                             node_ip=ray.util.get_node_ip_address())
+
+    def _lane_events(self, hello: dict) -> bytes | None:
+        """The lane's next push: a poll of the hello's epoch, or None once that generation is over."""
+        epoch = hello.get("epoch", 0)
+        if self.stopped or epoch != self.epoch:
+            return None
+        return self.poll(float(hello.get("poll_s", 1.0)), epoch, float(hello.get("coalesce_s", 0.0)))
+
     def stats(self) -> bytes:
         with self.lock:
             e = self.worker.engine
@@ -241,6 +264,8 @@ class DecodeActor(WorkerActorBase):
             self.cond.notify_all()
         self._go.set()  # a group member stopped before it joined: its loop thread ends without looping
         self.thread.join(timeout=5)
+        if self._lane is not None:
+            self._lane.close()
         if self.worker.tiers is not None:
             self.worker.tiers.close()
         self.manager.close()

@@ -77,7 +77,7 @@ class DisaggCluster:
         self.tokenizer = tok
         self.inputs = InputProcessor(cfg, tok, improc, spec.max_model_len or min(cfg.text.max_position_embeddings, 4096))
         self._loop = asyncio.new_event_loop()
-        self.streams = DecodeStreams(coalesce_s=spec.stream_interval_s)
+        self.streams = DecodeStreams(coalesce_s=spec.stream_interval_s, lane=spec.fast_lane)
         self.pool = WorkerPool(spec, cfg.text, self._secret, self.streams, self._loop)  # starts every actor
         self.inputs.max_model_len = self.pool.max_model_len  # the front-end's limits use the workers' value
         self.admission = PrefillAdmission(spec, self.pool.share.local_prefill)  # prefill admission and its waiters (front-end loop only)
@@ -349,7 +349,9 @@ class DisaggCluster:
             admitted_at = time.monotonic()
             try:
                 msg = messages.pack(request_id=rid, params=messages.params_to_dict(params), prompt=wire["decode"])
-                reply = messages.unpack(await call(decode.actor.admit_local, msg, deadline))
+                lane = decode.lane  # the poller's loopback lane where it has one (cluster.control.lane_client)
+                reply = messages.unpack(await (lane.call("admit_local", msg, deadline) if lane is not None
+                                               else call(decode.actor.admit_local, msg, deadline)))
             except Exception as e:  # noqa: BLE001 - sorted by call_failure
                 raise call_failure(e, "decode", decode, pair) from None
             decode.load.free_blocks = reply["free_blocks"]

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 
 from cluster.control.bounded import bounded
 from cluster.control.errors import RequestTimeoutError
+from cluster.control.lane_client import OPEN_TIMEOUT_S, Lane
 from cluster.control.worker import Worker, await_ref
 from node_common import messages
 from node_common.events import DecodeEvent, RequestFailed, event_from_wire
@@ -42,10 +43,12 @@ CHECK_S = 0.5  # how often a request waiting for its next event asks whether its
 class DecodeStreams:
     """Per-request inboxes and the decode pollers that fill them (see the module docstring). Front-end loop only."""
 
-    def __init__(self, *, poll_s: float = POLL_S, coalesce_s: float = 0.0) -> None:
+    def __init__(self, *, poll_s: float = POLL_S, coalesce_s: float = 0.0, lane: bool = False) -> None:
         """``coalesce_s``: a poll carrying only further tokens of running requests is answered at most that often
-        (``ClusterSpec.stream_interval_s``; :meth:`DecodeActor.poll <decode_node.actor.DecodeActor.poll>`)."""
-        self.poll_s, self.coalesce_s = poll_s, coalesce_s
+        (``ClusterSpec.stream_interval_s``; :meth:`DecodeActor.poll <decode_node.actor.DecodeActor.poll>`).
+        ``lane``: take a decode worker's replies from its loopback lane where it is on this node
+        (``ClusterSpec.fast_lane``; :mod:`node_common.lane`), pushed as they are made."""
+        self.poll_s, self.coalesce_s, self.lane = poll_s, coalesce_s, lane
         self._inboxes: dict[str, asyncio.Queue[DecodeEvent]] = {}
         self._owner: dict[str, str] = {}  # request id -> the decode worker that holds it
 
@@ -83,12 +86,43 @@ class DecodeStreams:
     async def poll(self, w: Worker, on_death: Callable[[Worker, str], None]) -> None:
         """Poll decode worker ``w`` until it is dead: marked by a failed poll (its requests fail and ``on_death(w,
         why)`` runs) or elsewhere (its requests fail)."""
+        lane = await self._open_lane(w) if self.lane else None
+        try:
+            await self._poll(w, on_death, lane)
+        finally:
+            if lane is not None:
+                w.lane = None
+                lane.close()
+
+    async def _open_lane(self, w: Worker) -> Lane | None:
+        """``w``'s loopback lane, connected and greeted; None (its replies come over Ray) where it is on another
+        node or the lane cannot be opened."""
+        try:
+            info = messages.unpack(await bounded(await_ref(w.actor.lane.remote()), timeout=OPEN_TIMEOUT_S))
+            import ray
+
+            if info["node_ip"] != ray.util.get_node_ip_address():
+                return None
+            w.lane = await Lane.open(info, epoch=w.epoch, poll_s=self.poll_s, coalesce_s=self.coalesce_s)
+        except Exception as e:  # noqa: BLE001 - Ray serves it as before
+            logger.warning("decode worker %s: no loopback lane (%s: %s); polling over Ray", w.worker_id,
+                           type(e).__name__, e)
+            return None
+        return w.lane
+
+    async def _poll(self, w: Worker, on_death: Callable[[Worker, str], None], lane: Lane | None) -> None:
         while w.alive:
             try:
-                reply = await bounded(await_ref(w.actor.poll.remote(self.poll_s, w.epoch, self.coalesce_s)), timeout=POLL_TIMEOUT_S)
+                if lane is not None:
+                    reply = await lane.next_events(POLL_TIMEOUT_S)
+                else:
+                    reply = await bounded(await_ref(w.actor.poll.remote(self.poll_s, w.epoch, self.coalesce_s)),
+                                          timeout=POLL_TIMEOUT_S)
                 msg = messages.unpack(reply)
                 events = [event_from_wire(ev) for ev in msg["events"]]
             except Exception as e:  # noqa: BLE001 - dead, silent, or a poll that raises: its requests must not wait
+                if not w.alive:  # marked dead meanwhile (shut down, or found dead elsewhere): said once, below
+                    break
                 w.mark_dead(f"poll failed: {type(e).__name__}")  # for their deadline on a poller that stopped, nor
                 logger.error("decode worker %s is gone: %s", w.worker_id, e)  # new ones be placed there
                 self._fail_requests_of(w.worker_id, f"decode worker {w.worker_id} died")

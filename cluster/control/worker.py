@@ -31,6 +31,7 @@ from cluster.control.bounded import bounded
 from cluster.control.errors import AttemptFailed
 from cluster.control.router import PrefixIndex, WorkerLoad
 from engine.errors import DuetError, is_retryable
+from node_common.lane import LaneClosed
 
 SPEED_EWMA = 0.2  # weight of the newest submit-to-first-token sample in a prefill worker's speed
 
@@ -59,6 +60,8 @@ class Worker:
     # decode workers: the front-end generation it serves (cluster.control.reattach): polls carry it, so a poll a
     # dead front-end left in flight takes no event of its successor's
     epoch: int = 0
+    # decode workers: the loopback lane its poller opened (cluster.control.lane_client.Lane), None over Ray
+    lane: Any = None
 
     @property
     def worker_id(self) -> str:
@@ -220,6 +223,8 @@ def call_failure(e: Exception, role: str, w: Worker, pair: dict[str, str]) -> Ba
     dead) or a retryable typed error (another pair may avoid it), else ``e`` itself."""
     import ray
 
+    if isinstance(e, LaneClosed):  # the poller, reading the same lane, decides whether the worker is gone
+        return AttemptFailed(f"{role} worker {w.worker_id}'s lane closed", **pair)
     if isinstance(e, ray.exceptions.RayActorError):
         w.mark_dead(f"{type(e).__name__} on a call")
         return AttemptFailed(f"{role} worker {w.worker_id} is gone", **pair)

@@ -278,14 +278,14 @@ class WorkerPool:
         self._closing = True
         for r in self.expert_routers:
             r.stop()
+        for w in self.decodes:  # first: their pollers then take the lanes' end as the shutdown it is
+            w.mark_dead("shut down")
         for w in self.workers():
             try:
                 ray.get(w.actor.shutdown.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - already dead
                 pass
             ray.kill(w.actor)
-        for w in self.decodes:
-            w.mark_dead("shut down")
         for fut in self._pollers.values():
             fut.cancel()
         if self.spec.detached_name:

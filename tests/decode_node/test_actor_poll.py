@@ -208,3 +208,36 @@ def test_a_first_token_on_its_way_keeps_steps_narrow_until_the_front_end_polls_a
     assert actor._picked_n == actor._urgent_n == 2  # the first token and the end, each waited for once
     assert 0 < actor_mod.PICKUP_S <= 0.01 and 0 < actor_mod.HANDOFF_S <= 0.05
     _idle(actor)
+
+
+def test_the_loopback_lane_takes_a_prompt_and_pushes_its_events(actor):
+    """The front-end's fast lane (:mod:`node_common.lane`): ``admit_local`` over the socket, every event pushed
+    without a poll call, the same tokens as over Ray; a new front-end generation (``reset``) closes the old lane."""
+    import asyncio
+
+    from cluster.control.lane_client import Lane, LaneClosed
+
+    info = messages.unpack(actor.lane())
+    assert info["host"] == "127.0.0.1" and len(info["token"]) == 32
+    assert messages.unpack(actor.lane())["port"] == info["port"]  # opened once
+    prompt = InputProcessor(actor.worker.engine.model_config, None, None, 128).process(make_request(7, seed=4))
+    msg = messages.pack(request_id="l", prompt=prompt_wire.prompt_to_wire(prompt, for_encoder=False),
+                        params=messages.params_to_dict(greedy(12)))
+
+    async def run():
+        lane = await Lane.open(info, epoch=actor.epoch, poll_s=0.2, coalesce_s=0.0)
+        reply = messages.unpack(await lane.call("admit_local", msg, time.monotonic() + 30))
+        assert set(reply) == {"v", "free_blocks"}
+        events = []
+        while not any(e.finished for e in events):
+            events += [event_from_wire(w) for w in messages.unpack(await lane.next_events(30))["events"]]
+        messages.unpack(actor.reset("a new front-end"))
+        with pytest.raises(LaneClosed):
+            while True:  # what was pushed before the reset, then the end
+                await lane.next_events(30)
+        lane.close()
+        return events
+
+    events = asyncio.run(run())
+    assert sum(len(e.token_ids) for e in events) == 12 and events[0].kv_transfer["transport"] == "local"
+    _idle(actor)

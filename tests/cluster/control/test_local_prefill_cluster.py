@@ -41,6 +41,7 @@ def test_short_text_prompts_prefill_on_the_decode_worker_the_rest_on_the_prefill
     for c in got[:2]:
         assert c.kv_transfer["bytes"] == 0 and c.timeline["ttft_breakdown"]["prefill_compute_s"] > 0
     assert all(c.attempts == 1 for c in got)
+    assert all(w.lane is not None for w in cluster.decodes)  # same node: admitted and streamed over the lane
     _assert_idle(cluster)
     rows = {r["worker_id"]: r for r in cluster.status()}
     assert rows[decode]["local_steps"] >= 1
@@ -56,3 +57,26 @@ def test_a_bad_text_prompt_is_a_typed_error_and_changes_nothing(cluster):
         cluster.generate_batch([{"prompt_token_ids": [1, 2, 10_000]}], greedy(2))
     _assert_idle(cluster)
     assert all(w.local_tokens == 0 and w.inflight == 0 for w in cluster.decodes)
+
+
+def test_without_the_lane_the_same_prompts_go_over_ray(ray_cluster, tiny_model_dir):
+    """``fast_lane: false``: the local admission and the decode worker's events go over Ray calls; same tokens."""
+    spec = ClusterSpec(model_dir=str(tiny_model_dir), local_prefill_tokens=12, num_prefill=1, num_decode=1,
+                       transport="gloo", num_kv_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128,
+                       request_timeout_s=60, fast_lane=False)
+    c = DisaggCluster(spec)
+    try:
+        prompts, params = [make_request(8, seed=1), make_request(20, seed=4)], [greedy(5), greedy(6)]
+        got = c.generate_batch(prompts, params)
+        assert [x.token_ids for x in got] == _local(tiny_model_dir, prompts, params)
+        assert got[0].kv_transfer["transport"] == "local" and all(w.lane is None for w in c.decodes)
+        _assert_idle(c)
+    finally:
+        c.shutdown()
+
+
+def test_fast_lane_must_be_a_bool(tiny_model_dir):
+    from engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="fast_lane"):
+        ClusterSpec(model_dir=str(tiny_model_dir), fast_lane="yes")
