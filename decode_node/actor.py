@@ -224,13 +224,15 @@ class DecodeActor(WorkerActorBase):
 
     def lane(self) -> bytes:
         """Open (once) this worker's loopback lane (:mod:`node_common.lane`): ``{host, port, token, node_ip}``. Over
-        it the front-end receives what :meth:`poll` returns, pushed as it is produced, and calls :meth:`admit_local`;
+        it the front-end receives what :meth:`poll` returns, pushed as it is produced, and calls :meth:`admit_local`
+        and :meth:`allocate`;
         a front-end on another node (``node_ip`` not its own) keeps to Ray."""
         import ray
 
         with self._lane_lock:
             if self._lane is None:
-                self._lane = LaneServer(self._lane_events, {"admit_local": self.admit_local})
+                self._lane = LaneServer(self._lane_events, {"admit_local": self.admit_local,
+                                                            "allocate": self.allocate})
             lane = self._lane
         return messages.pack(host=lane.host, port=lane.port, token=lane.token,
                              node_ip=ray.util.get_node_ip_address())

@@ -174,8 +174,10 @@ class LaneServer:
                 if reply is None:
                     break
                 send(frame("events", reply))
-        except OSError:
+        except OSError:  # the front-end went away
             pass
+        except (TypeError, ValueError) as e:  # a hello whose fields the worker could not use
+            logger.warning("lane closed: %s", e)
         finally:  # pushing ended, so does the connection: the front-end reads that as the worker gone
             done.set()
             try:

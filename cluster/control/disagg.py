@@ -319,7 +319,9 @@ class DisaggCluster:
                 try:  # no image data to decode: it never encodes
                     start_by = time.time() + (deadline - time.monotonic())  # the lease waits for prefill
                     to_decode = messages.pack(**body, prompt=wire["decode"], start_by_s=start_by)
-                    reply = messages.unpack(await call(decode.actor.allocate, to_decode, deadline))
+                    lane = decode.lane  # the poller's loopback lane where it has one (cluster.control.lane_client)
+                    reply = messages.unpack(await (lane.call("allocate", to_decode, deadline) if lane is not None
+                                                   else call(decode.actor.allocate, to_decode, deadline)))
                 except Exception as e:  # noqa: BLE001 - sorted by call_failure
                     raise call_failure(e, "decode", decode, pair) from None
                 decode.load.free_blocks = reply["free_blocks"]

@@ -7,7 +7,10 @@ inboxes.
 * :meth:`DecodeStreams.poll` -- the poller of one decode worker (a task on the front-end loop, started by
   :class:`~cluster.control.worker_pool.WorkerPool`): a long :meth:`DecodeActor.poll <decode_node.actor.DecodeActor.poll>`
   returns every event since the last one for all its requests (``{"events": [wire map, ...], "free_blocks": n}``);
-  each is parsed with :func:`~node_common.events.event_from_wire` and put in its request's inbox. A poll that fails
+  each is parsed with :func:`~node_common.events.event_from_wire` and put in its request's inbox. With ``lane`` (a
+  worker on this node), the same replies come pushed over the worker's loopback lane (:mod:`node_common.lane`,
+  :mod:`cluster.control.lane_client`), which the attempts then also use to admit local prompts; a lane that ends
+  counts as a failed poll. A poll that fails
   (the worker died, stopped answering, or sent something undecodable) marks the worker dead, fails each of its
   requests with a :class:`~node_common.events.RequestFailed` at once, and reports the death; the poller then ends.
 * :meth:`DecodeStreams.fail` -- ends one attempt's wait from elsewhere (its prefill worker gave it up).
