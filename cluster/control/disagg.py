@@ -37,7 +37,7 @@ from cluster.control.errors import AttemptFailed, ClusterUnavailableError, Decod
 from cluster.control.errors import RequestTimeoutError, TransferFailedError
 from cluster.control.spec import ClusterSpec
 from cluster.control.streams import DecodeStreams
-from cluster.control.worker import Assignment, LocalHold, Worker, call, call_failure
+from cluster.control.worker import Assignment, LocalHold, Worker, call, call_decode, call_failure
 from cluster.control.worker_pool import WorkerPool
 from engine import SamplingParams
 from engine.config import ModelConfig
@@ -319,9 +319,7 @@ class DisaggCluster:
                 try:  # no image data to decode: it never encodes
                     start_by = time.time() + (deadline - time.monotonic())  # the lease waits for prefill
                     to_decode = messages.pack(**body, prompt=wire["decode"], start_by_s=start_by)
-                    lane = decode.lane  # the poller's loopback lane where it has one (cluster.control.lane_client)
-                    reply = messages.unpack(await (lane.call("allocate", to_decode, deadline) if lane is not None
-                                                   else call(decode.actor.allocate, to_decode, deadline)))
+                    reply = messages.unpack(await call_decode(decode, "allocate", to_decode, deadline))
                 except Exception as e:  # noqa: BLE001 - sorted by call_failure
                     raise call_failure(e, "decode", decode, pair) from None
                 decode.load.free_blocks = reply["free_blocks"]
@@ -351,9 +349,7 @@ class DisaggCluster:
             admitted_at = time.monotonic()
             try:
                 msg = messages.pack(request_id=rid, params=messages.params_to_dict(params), prompt=wire["decode"])
-                lane = decode.lane  # the poller's loopback lane where it has one (cluster.control.lane_client)
-                reply = messages.unpack(await (lane.call("admit_local", msg, deadline) if lane is not None
-                                               else call(decode.actor.admit_local, msg, deadline)))
+                reply = messages.unpack(await call_decode(decode, "admit_local", msg, deadline))
             except Exception as e:  # noqa: BLE001 - sorted by call_failure
                 raise call_failure(e, "decode", decode, pair) from None
             decode.load.free_blocks = reply["free_blocks"]

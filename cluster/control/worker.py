@@ -218,6 +218,13 @@ async def call(method: Any, payload: bytes, deadline: float) -> bytes:
     return await bounded(await_ref(method.remote(payload)), timeout=left)
 
 
+def call_decode(w: Worker, method: str, msg: bytes, deadline: float) -> Any:
+    """``method(msg)`` on decode worker ``w`` (an awaitable of the reply), bounded by ``deadline``: over its poller's
+    loopback lane where it has one (:mod:`cluster.control.lane_client`), else as :func:`call`."""
+    lane = w.lane
+    return lane.call(method, msg, deadline) if lane is not None else call(getattr(w.actor, method), msg, deadline)
+
+
 def call_failure(e: Exception, role: str, w: Worker, pair: dict[str, str]) -> BaseException:
     """What a failed ``allocate`` / ``submit`` on ``w`` becomes: :class:`AttemptFailed` for a dead worker (marked
     dead) or a retryable typed error (another pair may avoid it), else ``e`` itself."""
