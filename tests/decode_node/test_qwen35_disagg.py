@@ -120,6 +120,10 @@ def test_abort_while_state_frames_are_in_flight_frees_both_sides(ckpt, prompts):
         while not reached.is_set():
             pair.prefill.step()
         receiver = pair.decode.receivers["r"]
+        for _ in range(200):  # frame 0 left the sender; the receiver's transport thread verifies it on its own time
+            if receiver.state_bytes > 0:
+                break
+            threading.Event().wait(0.025)
         assert receiver.poll() is KVPoll.TRANSFERRING and receiver.state_bytes > 0  # frame 0 landed
         assert pair.decode.abort("r", "client went away")
         pair.prefill.abort("r", "client went away")  # prefill already handed its part to the wire: a no-op
