@@ -7,6 +7,8 @@
    the next block of rows prefetched while the current one is summed, and keep up to four input rows' partial sums
    in registers, so that each weight line is read once for all of them.
    Float32 only; results equal a GEMM's to float rounding (the same products summed in another order). */
+#include <stdlib.h>
+
 #include "cpu_kernels.h"
 
 /* Holds values in vector registers: without it the compiler reloads each weight vector from memory for every row
@@ -73,8 +75,14 @@ static void gemv(const float *x, int64_t rows, int64_t K, const float *w, int64_
    torch itself loaded, so the same threads), a weight of at least PAR_MIN floats is split into one contiguous range
    of blocks per thread of the caller's OpenMP thread count (torch.set_num_threads on that thread). */
 #define PAR_MIN (1 << 16)
+static int linear_tiled(const float *x, int64_t rows, int64_t K, const float *w, int64_t N, const float *bias,
+                        float *y);
+extern int64_t duet_linear_tile_rows;
 void duet_linear_f32(const float *x, int64_t rows, int64_t K, const float *w, int64_t N, const float *bias,
                      float *y) {
+    if (duet_linear_tile_rows > 0 && rows >= duet_linear_tile_rows && N >= 4 * VW &&
+        linear_tiled(x, rows, K, w, N, bias, y) == 0)
+        return;
 #ifdef _OPENMP
     const int threads = omp_get_max_threads();
     if (threads > 1 && N * K >= PAR_MIN && N >= 2 * NB) {
@@ -150,6 +158,58 @@ static void gemm_t(const float *w, int64_t N, int64_t K, const float *xT, int64_
 #endif
     while (v < nv) BAND(TILE_ONE, ROWS_ONE, TILE_ONE, ROWS_ONE, 1);
 }
+
+/* y [rows, N] = x [rows, K] @ w [N, K]^T (+ bias) by the tiled GEMM: x transposed into xT [K, ldx] (ldx = rows
+   rounded up to whole vectors, zeros beyond), yT = w @ xT by gemm_t, then yT transposed back. At a decode step of
+   16-64 rows a projection is bound by multiplies, not memory, and gemv (each weight vector times at most four
+   rows, summed across lanes at the end) reaches about half the rate of gemm_t's register tiles. With OpenMP the
+   weight rows are split among the threads in whole vectors. Returns 0, or -1 where its scratch could not be had
+   (the caller falls back to gemv). duet_linear_f32 takes it from duet_linear_tile_rows rows (set at load by timing
+   both, engine.cpu_linear.choose_tile_rows) for weights of at least 64 rows (a router of 16 gains nothing). */
+static int linear_tiled(const float *x, int64_t rows, int64_t K, const float *w, int64_t N, const float *bias,
+                        float *y) {
+    const int64_t ldx = (rows + VW - 1) / VW * VW;
+    float *xT = malloc((size_t)(K + N) * ldx * sizeof(float));
+    if (!xT) return -1;
+    float *yT = xT + K * ldx;
+    for (int64_t r0 = 0; r0 < ldx; r0 += VW) {
+        const int64_t n = rows - r0 < VW ? rows - r0 : VW;
+        for (int64_t c0 = 0; c0 + VW <= K; c0 += VW) transpose_block(x + r0 * K + c0, K, n, xT + c0 * ldx + r0, ldx, VW);
+        for (int64_t c = K / VW * VW; c < K; c++)
+            for (int64_t r = 0; r < VW; r++) xT[c * ldx + r0 + r] = r < n ? x[(r0 + r) * K + c] : 0.f;
+    }
+    const int64_t blocks = (N + VW - 1) / VW;
+#ifdef _OPENMP
+    const int threads = omp_get_max_threads() > 1 && blocks > 1 ? omp_get_max_threads() : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        const int64_t n0 = blocks * t / nt * VW, n1e = blocks * (t + 1) / nt * VW, n1 = n1e < N ? n1e : N;
+        if (n1 > n0) {
+            gemm_t(w + n0 * K, n1 - n0, K, xT, ldx, yT + n0 * ldx);
+            int64_t n = n0;
+            for (; n + VW <= n1; n += VW)
+                for (int64_t r0 = 0; r0 < rows; r0 += VW)
+                    transpose_block(yT + n * ldx + r0, ldx, VW, y + r0 * N + n, N, rows - r0 < VW ? rows - r0 : VW);
+            for (; n < n1; n++)
+                for (int64_t r = 0; r < rows; r++) y[r * N + n] = yT[n * ldx + r];
+            if (bias)
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t c = n0; c < n1; c++) y[r * N + c] += bias[c];
+        }
+    }
+    free(xT);
+    return 0;
+}
+
+int64_t duet_linear_tile_rows = 0; /* rows from which duet_linear_f32 takes linear_tiled (0: never); set at load */
+
+void duet_set_linear_tile_rows(int64_t rows) { duet_linear_tile_rows = rows; }
 
 /* he [m, I] = silu(g) * u of ge [m, 2I] rows [g; u] (gemv's layout). */
 static void silu_mul(const float *ge, int64_t m, int64_t I, float *he) {
@@ -367,6 +427,35 @@ void duet_norm_rope_f32(float *x, int64_t T, int64_t R, int64_t D, const float *
     norm_rope(x, T, R * D, R, D, w, eps, cos_t, sin_t);
 }
 
+/* sc[i] = exp(sc[i] - mx) for i < n, VW at a time (vexp); returns their sum. A scalar expf per score took more of a
+   32-sequence decode step's attention than its key and value reads. */
+static float softmax_exp(float *sc, int64_t n, float mx) {
+    const int64_t nv = n & ~(int64_t)(VW - 1);
+    vec acc = (vec){0};
+    for (int64_t i = 0; i < nv; i += VW) {
+        const vec e = vexp(load(sc + i) - splat(mx));
+        memcpy(sc + i, &e, sizeof e);
+        acc += e;
+    }
+    float sum = hsum(acc);
+    for (int64_t i = nv; i < n; i++) { sc[i] = expf(sc[i] - mx); sum += sc[i]; }
+    return sum;
+}
+
+/* oh [NV * VW] = sum over i < L of p[i] * inv * v[i] (rows NV * VW floats apart), the sums in NV registers. */
+#define WEIGH(NV)                                                                                                   \
+    static void weigh_values_##NV(const float *p, int64_t L, const float *v, float inv, float *oh) {               \
+        vec acc[NV];                                                                                                \
+        _Pragma("GCC unroll 8") for (int c = 0; c < NV; c++) acc[c] = (vec){0};                                     \
+        for (int64_t i = 0; i < L; i++) {                                                                           \
+            const vec w = splat(p[i] * inv);                                                                        \
+            _Pragma("GCC unroll 8") for (int c = 0; c < NV; c++) acc[c] += w * load(v + i * NV * VW + c * VW);       \
+        }                                                                                                           \
+        _Pragma("GCC unroll 8") for (int c = 0; c < NV; c++) memcpy(oh + c * VW, &acc[c], sizeof(vec));             \
+    }
+WEIGH(4)
+WEIGH(8)
+
 /* Decode attention, one query token per sequence. For each b < B: its keys and values k_new[b], v_new[b]
    [KVH, D] (rows ldk / ldv floats apart) are written at position pos[b] of mirror row slots[b] (mirror_k / mirror_v [S, KVH, cap, D]) and, when
    pool_k is not NULL, at pool slot pool_slots[b] of the paged pool (pool_k / pool_v [*, KVH, D]); then each query
@@ -415,13 +504,16 @@ void duet_decode_attention_f32(const float *q, int64_t ldq, const float *k_new, 
                 sc[i] = s;
                 if (s > mx) mx = s;
             }
-            float sum = 0.f;
-            for (int64_t i = 0; i < L; i++) { sc[i] = expf(sc[i] - mx); sum += sc[i]; }
+            float sum = softmax_exp(sc, L, mx);
             const float inv = 1.f / sum;
-            for (int64_t c = 0; c < D; c++) oh[c] = 0.f;
-            for (int64_t i = 0; i < L; i++) {
-                const float p = sc[i] * inv, *vi = vb + i * D;
-                for (int64_t c = 0; c < D; c++) oh[c] += p * vi[c];
+            if (D == 64) weigh_values_4(sc, L, vb, inv, oh);
+            else if (D == 128) weigh_values_8(sc, L, vb, inv, oh);
+            else {
+                for (int64_t c = 0; c < D; c++) oh[c] = 0.f;
+                for (int64_t i = 0; i < L; i++) {
+                    const float p = sc[i] * inv, *vi = vb + i * D;
+                    for (int64_t c = 0; c < D; c++) oh[c] += p * vi[c];
+                }
             }
         }
     }

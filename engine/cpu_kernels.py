@@ -128,6 +128,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     """The C functions' argument and result types (ctypes would otherwise pass every int as 32 bits)."""
     lib.duet_linear_f32.argtypes = [_p, _i, _i, _p, _i, _p, _p]
     lib.duet_linear_f32.restype = None
+    lib.duet_set_linear_tile_rows.argtypes = [_i]
+    lib.duet_set_linear_tile_rows.restype = None
     lib.duet_moe_silu_f32.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _i, _i, _p, _p, _p]
     lib.duet_moe_silu_scratch.argtypes = [_i] * 6
     lib.duet_moe_silu_scratch.restype = _i

@@ -51,6 +51,8 @@ _MAX_COPIES = 64
 _PROBE_BUDGET_S = 0.02  # per kernel per probe: repetitions are cut to fit (a large LM head runs once or twice)
 _timings: dict[tuple, tuple[tuple[float, float], ...]] = {}  # (N, K, dtype, bias, threads) -> per probe (F.linear s,
 # packed s), measured once per process
+TILE_ROW_PROBES = (8, 16, 32)  # decode batch sizes choose_tile_rows times (above the few-row kernel's rows)
+_tile_rows: dict[tuple, int] = {}  # (N, K, threads) -> choose_tile_rows' answer
 FEW_ROW_PROBES = (1, 2, 4)  # up to cpu_kernels.MAX_ROWS
 _few_row_timings: dict[tuple, tuple[tuple[float, float], ...]] = {}  # the same key -> per FEW_ROW_PROBES (the faster
 # library kernel's seconds, the few-row kernel's seconds)
@@ -226,6 +228,39 @@ def few_rows_upto(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
             break
         upto = rows
     return upto
+
+
+def choose_tile_rows(weight: torch.Tensor) -> int:
+    """Set and return the row count from which the compiled kernels' linear (the one-call decode layer's
+    projections) takes its tiled GEMM instead of gemv (:data:`TILE_ROW_PROBES`; 0: never): the smallest probe at
+    which the tiled GEMM, and at every larger probe, was faster by 5%, timed interleaved on cold copies of
+    ``weight`` (float32 [N, K]); once per (shape, threads) in a process. Where the kernels are not built: 0."""
+    lib = cpu_kernels.library() if weight.dtype == torch.float32 and weight.device.type == "cpu" else None
+    if lib is None:
+        return 0
+    key = (*weight.shape, torch.get_num_threads())
+    if key not in _tile_rows:
+        copies = _cold_copies(weight)
+        gen = torch.Generator().manual_seed(0)
+        turn = itertools.count()
+
+        def run(x: torch.Tensor, rows: int) -> None:
+            lib.duet_set_linear_tile_rows(rows)
+            cpu_kernels.linear(lib, x, copies[next(turn) % len(copies)], None)
+
+        upto = 0
+        try:
+            for rows in reversed(TILE_ROW_PROBES):
+                x = torch.randn(rows, weight.shape[1], generator=gen)
+                gemv, tiled = median_seconds_each([lambda: run(x, 0), lambda: run(x, rows)])
+                if tiled >= 0.95 * gemv:
+                    break
+                upto = rows
+        finally:
+            lib.duet_set_linear_tile_rows(0)
+        _tile_rows[key] = upto
+    lib.duet_set_linear_tile_rows(_tile_rows[key])
+    return _tile_rows[key]
 
 
 def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import engine.cpu_kernels as cpu_kernels
+from engine.cpu_linear import choose_tile_rows
 from engine.attention import AttentionMetadata, DecodeBatch, LayerKV, choose_prefill_kernel, paged_attention
 from engine.layers import Linear, apply_rotary, rms_norm
 from engine.moe import DenseMlp, SparseMoe
@@ -226,6 +227,7 @@ class TextModel(nn.Module):
         layers = [m for m in self.layers if isinstance(m, DecoderLayer) and m.one_call]
         if not layers or cpu_kernels.library() is None or self.norm.dtype != torch.float32:
             return 0
+        choose_tile_rows(layers[0].self_attn.qkv_proj.weight)  # the projections' kernel by rows, before the probes
         cap = min((m.mlp.one_call_upto for m in layers if isinstance(m.mlp, SparseMoe)), default=ONE_CALL_PROBES[-1])
         probe = layers[:ONE_CALL_LAYERS]
         key = (tuple(tuple(p.shape) for m in probe for p in m.parameters()), cap, torch.get_num_threads())
