@@ -284,6 +284,19 @@ def moe_route(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, k: int, nor
     return weights, ids
 
 
+_scratches = threading.local()
+
+
+def _scratch(kind: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """At least ``n`` elements of this thread's scratch of ``kind``, kept between calls (a decode step's layers run
+    one after another on one thread; grown, never shrunk): allocating it per layer cost more than some kernels."""
+    buf = getattr(_scratches, kind, None)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(max(n, 1), dtype=dtype)
+        setattr(_scratches, kind, buf)
+    return buf
+
+
 def decode_layer(lib: ctypes.CDLL, x: torch.Tensor, *, eps: float, ln1: torch.Tensor, ln2: torch.Tensor,
                  wqkv: torch.Tensor, bqkv: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int,
                  qk_norm: torch.Tensor | None, scale: float, cos: torch.Tensor, sin_signed: torch.Tensor,
@@ -304,9 +317,8 @@ def decode_layer(lib: ctypes.CDLL, x: torch.Tensor, *, eps: float, ln1: torch.Te
         raise ValueError(f"decode_layer: top-{top_k} of {e} experts")
     i = down.shape[-1]
     lds = max(max_len, 1)
-    fs = torch.empty(lib.duet_decode_layer_scratch(b, h, heads, kv_heads, head_dim, lds, e, kk, i),
-                     dtype=torch.float32)
-    iscr = torch.empty(4 * max(e, 1) + 3 * b * kk, dtype=torch.int64)
+    fs = _scratch("f", lib.duet_decode_layer_scratch(b, h, heads, kv_heads, head_dim, lds, e, kk, i), torch.float32)
+    iscr = _scratch("i", 4 * max(e, 1) + 3 * b * kk, torch.int64)
     y = torch.empty_like(x)
     lib.duet_decode_layer_f32(
         x.data_ptr(), b, h, eps, ln1.data_ptr(), ln2.data_ptr(), wqkv.data_ptr(),

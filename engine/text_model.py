@@ -98,6 +98,7 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.one_call = False  # the one-call path may run here (pack_linears) ...
         self.layer_call_upto = 0  # ... on decode steps of up to this many sequences (TextModel.choose_one_call)
+        self._checked_weights: tuple[torch.Tensor, ...] = ()  # the weights last found fit for the one-call path
 
     def pack_linears(self, make) -> list:
         """CPU kernel choice (:func:`engine.cpu_linear.pack_linears`): in ``auto`` mode the layer's decode steps may
@@ -142,9 +143,14 @@ class DecoderLayer(nn.Module):
             return None
         qkv, o = attn.qkv_proj, attn.o_proj
         qk_w = attn._qk_w if attn.qk_norm else None
-        lib = _f32_kernels(x, cos, sin, qkv.weight, o.weight, gate_up, down, kv.mirror_k, kv.mirror_v, kv.k, kv.v,
-                           self.input_layernorm, self.post_attention_layernorm,
-                           *(t for t in (router, qkv.bias, o.bias, qk_w) if t is not None))
+        weights = tuple(t for t in (qkv.weight, o.weight, gate_up, down, self.input_layernorm,
+                                    self.post_attention_layernorm, router, qkv.bias, o.bias, qk_w) if t is not None)
+        checked = self._checked_weights  # the weights' check holds until one of them is replaced
+        if len(checked) != len(weights) or any(a is not b for a, b in zip(checked, weights)):
+            if _f32_kernels(*weights) is None:
+                return None
+            self._checked_weights = weights
+        lib = _f32_kernels(x, cos, sin, kv.mirror_k, kv.mirror_v, kv.k, kv.v)
         if lib is None:
             return None
         dec = meta.decode
