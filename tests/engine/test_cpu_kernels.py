@@ -42,6 +42,46 @@ def test_linear_refuses_a_mismatched_input():
         cpu_kernels.linear(LIB, torch.randn(1, 8), torch.randn(4, 9), None)
 
 
+@pytest.fixture
+def tile_rows():
+    """The library's process-wide row count for the tiled linear, restored after the test."""
+    import ctypes
+
+    cell = ctypes.c_int64.in_dll(LIB, "duet_linear_tile_rows")
+    saved = cell.value
+    yield cell
+    LIB.duet_set_linear_tile_rows(saved)
+
+
+@needs_lib
+@pytest.mark.parametrize("rows", [1, 8, 16, 17, 33])
+@pytest.mark.parametrize("n,k", [(64, 512), (70, 37), (200, 16), (16, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_tiled_linear_equals_f_linear(rows, n, k, bias, tile_rows):
+    """From the set row count the linear transposes its rows and runs the tiled GEMM (weights of 64+ rows; a row
+    count, a weight row count or an input width that is not whole vectors); below it, and for narrower weights,
+    gemv as before."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    tol = 2e-5 * k ** 0.5
+    for threshold in (0, 8):
+        LIB.duet_set_linear_tile_rows(threshold)
+        assert tile_rows.value == threshold
+        torch.testing.assert_close(cpu_kernels.linear(LIB, x, w, b), F.linear(x, w, b), rtol=tol, atol=tol)
+
+
+@needs_lib
+def test_the_tiled_linear_row_count_is_measured_once_and_set(tile_rows, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_tile_rows", {})
+    w = torch.randn(96, 64)
+    got = cpu_linear.choose_tile_rows(w)
+    assert got in (0, *cpu_linear.TILE_ROW_PROBES) and tile_rows.value == got
+    LIB.duet_set_linear_tile_rows(5)
+    assert cpu_linear.choose_tile_rows(w) == got and tile_rows.value == got  # remembered, set again
+    assert cpu_linear.choose_tile_rows(w.to(torch.bfloat16)) == 0  # the compiled kernels take float32 only
+
+
 def _moe_reference(x, gate_up, down, experts, weights):
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):

@@ -74,7 +74,8 @@ def _attention_reference(q, k, v, mk, mv, slots, pos, scale):
 
 
 @pytest.mark.parametrize("b,h,kvh,d,cap", [(1, 8, 2, 64, 40), (3, 4, 4, 16, 9), (4, 6, 1, 32, 300),
-                                           (2, 4, 2, 24, 5), (16, 8, 2, 64, 700)])  # the last runs threaded
+                                           (2, 4, 2, 24, 5), (16, 8, 2, 64, 700),
+                                           (2, 8, 2, 128, 50)])  # the last runs threaded
 def test_decode_attention_equals_sdpa_and_writes_the_mirror_and_pool(b, h, kvh, d, cap):
     g = torch.Generator().manual_seed(b * 7 + h + d + cap)
     mk, mv, slots, pos = _mirror_case(b, h, kvh, d, cap, g)
