@@ -442,23 +442,10 @@ static float softmax_exp(float *sc, int64_t n, float mx) {
     return sum;
 }
 
-/* Two vectors of per-key partial sums (A's keys, then B's, each key's lanes in groups) folded into one with half
-   the lanes per key: the pairs the masks pick from A and B are added. Four folds turn 16 vectors (one key's
-   partial sums each) into one vector of 16 keys' sums, 30 shuffles where a lane sum per key takes 64. */
-static inline vec fold(vec a, vec b, ivec p, ivec q) { return __builtin_shuffle(a, b, p) + __builtin_shuffle(a, b, q); }
-
 /* sc[i] = scale * q . k[i] for i < L (keys rows NV * VW floats apart, q in NV registers), 16 keys at a time
-   reduced by fold; returns the largest. */
+   reduced by fold16 (30 shuffles where a lane sum per key takes 64); returns the largest. */
 #define SCORES(NV)                                                                                                  \
     static float scores_##NV(const float *q, const float *kb, int64_t L, float scale, float *sc) {                 \
-        const ivec p1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};                                   \
-        const ivec q1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};                             \
-        const ivec p2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};                                 \
-        const ivec q2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};                               \
-        const ivec p3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};                                 \
-        const ivec q3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};                               \
-        const ivec p4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};                                \
-        const ivec q4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};                                \
         vec qv[NV];                                                                                                 \
         _Pragma("GCC unroll 8") for (int c = 0; c < NV; c++) qv[c] = load(q + c * VW);                              \
         vec mv = splat(-INFINITY);                                                                                  \
@@ -471,10 +458,7 @@ static inline vec fold(vec a, vec b, ivec p, ivec q) { return __builtin_shuffle(
                 _Pragma("GCC unroll 8") for (int c = 1; c < NV; c++) acc += qv[c] * load(k + c * VW);               \
                 a[t] = acc;                                                                                         \
             }                                                                                                       \
-            _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) a[t] = fold(a[2 * t], a[2 * t + 1], p1, q1);        \
-            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) a[t] = fold(a[2 * t], a[2 * t + 1], p2, q2);        \
-            _Pragma("GCC unroll 2") for (int t = 0; t < 2; t++) a[t] = fold(a[2 * t], a[2 * t + 1], p3, q3);        \
-            const vec sv = fold(a[0], a[1], p4, q4) * scale;                                                        \
+            const vec sv = fold16(a) * scale;                                                                       \
             memcpy(sc + i, &sv, sizeof sv);                                                                         \
             mv = vmax(sv, mv);                                                                                      \
         }                                                                                                           \

@@ -1,5 +1,5 @@
 /* The vector helpers the CPU kernels share (cpu_kernels.c, cpu_attention.c): a vec of VW floats (one cache
-   line), loads, broadcasts, lane sums, a 16 x 16 transpose and a vector exp. Header-only (static inline). */
+   line), loads, broadcasts, lane sums (one vector's, or sixteen at once), a 16 x 16 transpose and a vector exp. Header-only (static inline). */
 #ifndef DUET_CPU_KERNELS_H
 #define DUET_CPU_KERNELS_H
 #include <stdint.h>
@@ -29,6 +29,27 @@ static inline float hsum(vec v) {
     v += __builtin_shuffle(v, (ivec){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
     v += __builtin_shuffle(v, (ivec){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
     return v[0];
+}
+
+/* Two vectors of per-key partial sums (A's keys, then B's, each key's lanes in groups) folded into one with half
+   the lanes per key: the lanes the masks pick from A and B are added pairwise. */
+static inline vec fold(vec a, vec b, ivec p, ivec q) { return __builtin_shuffle(a, b, p) + __builtin_shuffle(a, b, q); }
+
+/* Lane t = the lane sum of a[t], t < 16, by four rounds of fold (30 shuffles, where hsum per vector takes 64);
+   a is overwritten. */
+static inline vec fold16(vec *a) {
+    const ivec p1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const ivec q1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const ivec p2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const ivec q2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const ivec p3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const ivec q3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const ivec p4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const ivec q4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) a[t] = fold(a[2 * t], a[2 * t + 1], p1, q1);
+    _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) a[t] = fold(a[2 * t], a[2 * t + 1], p2, q2);
+    _Pragma("GCC unroll 2") for (int t = 0; t < 2; t++) a[t] = fold(a[2 * t], a[2 * t + 1], p3, q3);
+    return fold(a[0], a[1], p4, q4);
 }
 
 /* The larger of a and b in each lane (b where either is NaN). */
