@@ -1,5 +1,6 @@
 /* The vector helpers the CPU kernels share (cpu_kernels.c, cpu_attention.c): a vec of VW floats (one cache
-   line), loads, broadcasts, lane sums (one vector's, or sixteen at once), a 16 x 16 transpose and a vector exp. Header-only (static inline). */
+   line), loads, broadcasts, lane sums (one vector's, or sixteen at once), a 16 x 16 transpose and a vector exp.
+   Header-only (static inline). */
 #ifndef DUET_CPU_KERNELS_H
 #define DUET_CPU_KERNELS_H
 #include <stdint.h>
