@@ -174,7 +174,8 @@ static int linear_tiled(const float *x, int64_t rows, int64_t K, const float *w,
     float *yT = xT + K * ldx;
     for (int64_t r0 = 0; r0 < ldx; r0 += VW) {
         const int64_t n = rows - r0 < VW ? rows - r0 : VW;
-        for (int64_t c0 = 0; c0 + VW <= K; c0 += VW) transpose_block(x + r0 * K + c0, K, n, xT + c0 * ldx + r0, ldx, VW);
+        for (int64_t c0 = 0; c0 + VW <= K; c0 += VW)
+            transpose_block(x + r0 * K + c0, K, n, xT + c0 * ldx + r0, ldx, VW);
         for (int64_t c = K / VW * VW; c < K; c++)
             for (int64_t r = 0; r < VW; r++) xT[c * ldx + r0 + r] = r < n ? x[(r0 + r) * K + c] : 0.f;
     }
