@@ -8,7 +8,7 @@ import torch
 
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.sampler import sample, suppress_stop_tokens
+from engine.sampler import greedy_ids, sample, suppress_stop_tokens
 
 
 @pytest.mark.parametrize("top_p", [1e-46, 1e-300, 5e-324])
@@ -35,3 +35,21 @@ def test_integers_the_wire_cannot_carry_are_typed_errors(bad):
 def test_64_bit_seeds_are_taken():
     for seed in (-(2**63), 2**64 - 1):
         assert SamplingParams(seed=seed).seed == seed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ids_equal_torch_argmax_on_ties_nan_and_inf(dtype):
+    """The batched greedy pick (numpy's argmax for float32 on CPU, torch's otherwise) is torch.argmax's: the first
+    largest index, a NaN counted as largest, also on a strided view."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 300, generator=g)
+    x[1, 3] = float("nan")
+    x[2, [7, 9]] = float("nan")
+    x[3, :] = 1.0
+    x[4, [5, 8]] = float("inf")
+    x[5, [10, 200]] = x[5].max() + 1
+    x = x.to(dtype)
+    assert greedy_ids(x) == torch.argmax(x, dim=-1).tolist()
+    assert greedy_ids(x)[1:6] == [3, 7, 0, 5, 10]
+    view = x[:, ::2]
+    assert greedy_ids(view) == torch.argmax(view, dim=-1).tolist()
