@@ -48,20 +48,24 @@ def scenario_table(scenarios: dict[str, dict]) -> str:
 
 
 def machine_table(machine: dict, bound: dict[str, dict]) -> str:
-    """The machine figures as a preamble line, then one row per decode bound."""
+    """The machine figures as a preamble line, then one row per decode bound. ``of bound``: the best round's TPOT
+    against the bandwidth read at the start; ``paired``: the median over rounds of each round's TPOT against the
+    bandwidth read just before it (on a shared host the bandwidth moves between the two)."""
     head = (f"machine: read {fmt(machine['read_gbps'])} GB/s, matmul {fmt(machine['matmul_square_gflops'])} GFLOP/s "
             f"({machine['square_n']}^3), {fmt(machine['matmul_skinny_gflops'])} GFLOP/s "
             f"({'x'.join(map(str, machine['skinny_shape']))}), {machine['threads']} threads")
     if machine.get("cpu"):
         cpu = machine["cpu"]
         head += f"; CPU {cpu['model']}, {cpu['logical_cpus']} logical, {' '.join(cpu['flags']) or 'no AVX flags'}"
-    header = ["decode", "MB/step", "MFLOP/step", "bound ms", "limited by", "bound tok/s", "duet tpot ms", "of bound"]
+    header = ["decode", "MB/step", "MFLOP/step", "bound ms", "limited by", "bound tok/s", "duet tpot ms", "of bound",
+              "paired"]
     rows = []
     for b in bound.values():
-        frac = b["fraction_of_bound"]
+        frac, paired = b["fraction_of_bound"], b.get("paired_fraction_median")
         rows.append([b["label"], fmt(b["bytes_per_step"] / 1e6), fmt(b["flops_per_step"] / 1e6),
                      fmt(b["bound_step_s"] * 1e3, 2), b["limited_by"], fmt(b["bound_tokens_per_s"]),
-                     fmt(ms(b["measured_step_s"]), 2), "-" if frac is None else f"{frac:.0%}"])
+                     fmt(ms(b["measured_step_s"]), 2), "-" if frac is None else f"{frac:.0%}",
+                     "-" if paired is None else f"{paired:.0%}"])
     return head + "\n" + format_table(header, rows)
 
 

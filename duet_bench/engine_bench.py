@@ -12,7 +12,10 @@ every scenario and repeat, so no prompt ever hits the engine's prefix cache (the
 both sides greedy and forced to the exact output length (Duet ``ignore_eos``; transformers with no EOS); one warm-up
 each; one ``LLM`` (``max_num_seqs=64``) and one transformers model reused by every scenario; ``--repeat N`` keeps
 each side's best. The machine's bandwidth/matmul rates are measured in the same run (:mod:`duet_bench.machine`).
-The scenarios, workloads and Duet's side are in :mod:`duet_bench.engine_workload`.
+The scenarios, workloads and Duet's side are in :mod:`duet_bench.engine_workload`. The decode step's memory bound
+(uniform1 / uniform32) is quoted for the best round against the bandwidth read at the start, and per round against
+a bandwidth read just before that round (``paired_fractions``, median in the table): a shared host's bandwidth
+moves by a third between the two.
 
 ``--peer-cmd CMD`` runs Duet against any peer engine instead of transformers, on these scenarios' prompts, in
 ``--rounds`` alternating rounds (:mod:`duet_bench.peer`: the command's contract and the workload file).
@@ -27,8 +30,9 @@ import argparse
 import datetime as dt
 import json
 import os
+import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,13 +49,15 @@ from duet_bench.engine_workload import (
     usable_token_ids,
     warm_up_workloads,
 )
-from duet_bench.machine import decode_bound, measure_machine
+from duet_bench.machine import decode_bound, measure_machine, measure_read_bandwidth
 from duet_bench.peer import PEER_TIMEOUT_S
 from duet_bench.qwen_bench import image_sizes
 from cluster.report import log, machine_table, scenario_table, write_json
 
 MODELS = ("llava-moe", "qwen3-vl-moe", "qwen3.5-moe")
 BENCH_MODEL_NAME = "bench-llava-moe-v1"
+BOUND_SCENARIOS = ("uniform1", "uniform32")  # the decode shapes a memory bound is quoted for
+PAIRED_READ = {False: (256 << 20, 3), True: (16 << 20, 2)}  # --quick -> (bytes, reps) of each round's bandwidth read
 
 
 # ------------------------------------------------------------------------------------------------------------ sides
@@ -155,10 +161,13 @@ def _warm_up(llm, hf, token_ids: np.ndarray) -> None:
 
 def _run_scenario(spec: ScenarioSpec, llm, hf, token_ids: np.ndarray, args: argparse.Namespace) -> dict:
     best_d = best_h = None
-    match = []
+    match, paired = [], []
     for r in range(args.repeat):
         w = make_workload(spec, token_ids, args.seed, variant=r)
+        read = measure_read_bandwidth(*PAIRED_READ[args.quick], args.device) if spec.name in BOUND_SCENARIOS else None
         d, d_tok = run_duet(llm, w)
+        if read is not None:
+            paired.append({"read_gbps": read, "tpot_s": d["mean_tpot_s"]})
         log(f"{spec.label} {r + 1}/{args.repeat}: duet {d['wall_s']:.2f} s ({d['tokens_per_s']:.1f} tok/s)")
         h, h_tok = run_hf(hf, w, spec.hf_batch)
         log(f"{spec.label} {r + 1}/{args.repeat}: transformers {h['wall_s']:.2f} s ({h['tokens_per_s']:.1f} tok/s)")
@@ -170,6 +179,8 @@ def _run_scenario(spec: ScenarioSpec, llm, hf, token_ids: np.ndarray, args: argp
            "requests_matching_hf": min(match)}
     if spec.name == "uniform1":
         out["tokens_match"] = min(match) == spec.num_requests
+    if paired:
+        out["paired_rounds"] = paired
     return out
 
 
@@ -177,13 +188,19 @@ def _bounds(model_dir: Path, specs: dict[str, ScenarioSpec], results: dict, rate
     raw = json.loads((model_dir / "config.json").read_text())
     text = raw.get("text_config") or raw
     bounds = {}
-    for name in ("uniform1", "uniform32"):
+    for name in BOUND_SCENARIOS:
         if name in results:
             s = specs[name]
+            shape = {"batch": s.num_requests, "context_len": s.prompt_len[0] + s.output_len[0] // 2,
+                     "kv_bytes_per_token": llm.engine.runner.kv_bytes_per_token,
+                     "dtype_bytes": llm.engine.dtype.itemsize}
             bounds[name] = {"label": s.label} | decode_bound(
-                text, rates, batch=s.num_requests, context_len=s.prompt_len[0] + s.output_len[0] // 2,
-                kv_bytes_per_token=llm.engine.runner.kv_bytes_per_token, dtype_bytes=llm.engine.dtype.itemsize,
-                measured_step_s=results[name]["duet"]["mean_tpot_s"])
+                text, rates, **shape, measured_step_s=results[name]["duet"]["mean_tpot_s"])
+            rounds = [decode_bound(text, replace(rates, read_gbps=p["read_gbps"]), **shape,
+                                   measured_step_s=p["tpot_s"])["fraction_of_bound"]
+                      for p in results[name].get("paired_rounds", []) if p["tpot_s"]]
+            bounds[name]["paired_fractions"] = rounds  # each round against the bandwidth read just before it
+            bounds[name]["paired_fraction_median"] = statistics.median(rounds) if rounds else None
     return bounds
 
 

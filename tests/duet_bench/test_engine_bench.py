@@ -46,10 +46,14 @@ def test_quick_bench_writes_all_scenarios(tiny_dir, tmp_path, capsys):
     assert doc["config"]["hf"]["attn_implementation"] == "sdpa"
     assert doc["machine"]["read_gbps"] > 0 and doc["machine"]["best_matmul_gflops"] > 0
     assert set(doc["bound"]) == {"uniform1", "uniform32"}
-    for b in doc["bound"].values():
+    for name, b in doc["bound"].items():
         assert b["bound_step_s"] > 0 and 0 < b["fraction_of_bound"]
+        rounds = doc["scenarios"][name]["paired_rounds"]  # a bandwidth read before each round, paired with its TPOT
+        assert len(rounds) == len(b["paired_fractions"]) == 1 and rounds[0]["read_gbps"] > 0
+        assert b["paired_fraction_median"] == b["paired_fractions"][0] > 0
+    assert "paired_rounds" not in doc["scenarios"]["mixed"]
     table = capsys.readouterr().out
-    assert "uniform-1" in table and "mixed" in table and "of bound" in table
+    assert "uniform-1" in table and "mixed" in table and "of bound" in table and "paired" in table
 
 
 def test_scenario_selection_and_repeat(tiny_dir, tmp_path):
