@@ -45,8 +45,22 @@ class DecodeBatch:
     write_pos: torch.Tensor  # [B] long: position of the token computed this step (= context length - 1)
     max_len: int  # longest context in the batch, this step's token included
     dense: bool  # slots are exactly 0..B-1, so the batch is a view of the mirror
-    mask: torch.Tensor  # [B, 1, 1, max_len] additive: 0 within each context, -inf after
+    mask: torch.Tensor | None  # [B, 1, 1, max_len] additive: 0 within each context, -inf after; None: built on use
     layer_masks: list[torch.Tensor] | None = None  # per layer ``mask`` plus dropped-token bias (decode_mirror)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """``mask``, built on first use (a step whose layers all run the compiled one-call path reads none)."""
+        if self.mask is None:
+            self.mask = decode_mask(self.write_pos + 1, self.max_len, dtype)
+        return self.mask
+
+
+def decode_mask(lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, 1, max_len] additive mask, 0 at positions below each sequence's length ``lens`` [B], -inf beyond."""
+    b = lens.shape[0]
+    visible = (torch.arange(max_len, device=lens.device).unsqueeze(0) < lens.unsqueeze(1)).view(b, 1, 1, max_len)
+    # additive float mask, built once per step (a bool mask would be converted by every layer's SDPA)
+    return torch.zeros(visible.shape, dtype=dtype, device=lens.device).masked_fill_(~visible, float("-inf"))
 
 
 @dataclass
@@ -113,7 +127,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
             kd, vd = kv.mirror_k[:b, :, : dec.max_len], kv.mirror_v[:b, :, : dec.max_len]
         else:
             kd, vd = kv.mirror_k[dec.slots, :, : dec.max_len], kv.mirror_v[dec.slots, :, : dec.max_len]
-        mask = dec.mask if dec.layer_masks is None else dec.layer_masks[kv.index]
+        mask = dec.additive_mask(q.dtype) if dec.layer_masks is None else dec.layer_masks[kv.index]
         # one query per sequence: a KV head's query heads attend as that head's rows (no GQA expansion of K/V)
         qg = q[p:].view(b, kvh, q.shape[1] // kvh, d)
         o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=mask, scale=scale)

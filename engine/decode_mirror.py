@@ -147,6 +147,10 @@ class DecodeKVMirror:
             self.seq_in_slot[slot] = moved
             self.slot_of[moved] = slot
 
+    def has_drops(self, seq_ids: list[int]) -> bool:
+        """Did any of these sequences have tokens dropped (so :meth:`layer_masks` has masks to give)?"""
+        return self.bias is not None and not self.with_drops.isdisjoint(seq_ids)
+
     def layer_masks(self, seq_ids: list[int], slots: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor] | None:
         """Per-layer decode masks (``mask`` [B, 1, 1, L] plus each slot's bias row) when a sequence of the batch
         had tokens dropped; None otherwise (every layer uses ``mask``)."""

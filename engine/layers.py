@@ -96,7 +96,8 @@ class RotaryEmbedding:
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin, each [T, 1, head_dim] in ``dtype``, for positions [T]."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin_signed[positions].to(dtype).unsqueeze(1)
+        return (self.cos.index_select(0, positions).to(dtype).unsqueeze(1),
+                self.sin_signed.index_select(0, positions).to(dtype).unsqueeze(1))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

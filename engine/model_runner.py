@@ -20,6 +20,7 @@ from engine.attention import (
     LayerKV,
     PrefillSpan,
     causal_mask_with_prefix,
+    decode_mask,
 )
 from engine.decode_mirror import DecodeKVMirror
 from engine.layers import RotaryEmbedding
@@ -232,13 +233,13 @@ class ModelRunner:
                 positions.append(lens - 1)
             max_len = int(lens.max())
             lens_t = torch.from_numpy(lens).to(dev)
-            visible = (torch.arange(max_len, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)).view(b, 1, 1, max_len)
-            # additive float mask, built once per step (a bool mask would be converted by every layer's SDPA)
-            mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
             dense = bool((slot_ids == np.arange(b)).all())
             slots_t = torch.from_numpy(slot_ids).to(dev)
-            layer_masks = self.mirror.layer_masks([s.seq.seq_id for s in decodes], slots_t, mask)
-            decode = DecodeBatch(slots_t, lens_t - 1, max_len, dense, mask, layer_masks)
+            seq_ids = [s.seq.seq_id for s in decodes]
+            layer_masks = None
+            if self.mirror.has_drops(seq_ids):  # else the mask is built only if a layer reads it
+                layer_masks = self.mirror.layer_masks(seq_ids, slots_t, decode_mask(lens_t, max_len, self.dtype))
+            decode = DecodeBatch(slots_t, lens_t - 1, max_len, dense, None, layer_masks)
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev), prefills=spans,
                                  num_prefill_tokens=num_prefill, decode=decode, query_window=self.query_window)
         if self.state is not None:
@@ -283,6 +284,8 @@ class ModelRunner:
             self._accumulate_routing(sched)
         self.prompt_logits = [(seq, c, self.model.text.logits(hidden[start:start + n]))
                               for seq, start, c, n in self._prompt_rows]
+        if len(logit_rows) == hidden.shape[0]:  # every row samples (rows ascend, so they are 0..n-1): no copy
+            return self.model.text.logits(hidden), sampling
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.text.logits(hidden.index_select(0, rows)), sampling
 
