@@ -165,9 +165,12 @@ def _layer_reference(x, p, cos, sin, mk, mv, slots, pos, scale):
     return x2 + y, mk, mv
 
 
-@pytest.mark.parametrize("b", [1, 3, 4])
+@pytest.mark.parametrize("b,tile_rows", [(1, 0), (3, 0), (4, 0), (20, 0), (20, 8)])  # 8: the projections tiled
 @pytest.mark.parametrize("moe,bias,qk_norm", [(True, False, True), (False, True, False), (True, True, False)])
-def test_decode_layer_equals_the_layer_in_torch_ops(b, moe, bias, qk_norm):
+def test_decode_layer_equals_the_layer_in_torch_ops(b, tile_rows, moe, bias, qk_norm, monkeypatch):
+    import ctypes
+
+    monkeypatch.setattr(ctypes.c_int64.in_dll(LIB, "duet_linear_tile_rows"), "value", tile_rows)
     g = torch.Generator().manual_seed(b * 10 + moe * 2 + bias)
     hid, h, kvh, d, inter, e = 48, 4, 2, 16, 24, 6
     r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
