@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.cpu_kernels as cpu_kernels
+import engine.tuning_cache as tuning_cache
 from engine.state_cache import StateStep
 
 
@@ -177,8 +178,11 @@ def choose_prefill_kernel(heads: int, kv_heads: int, head_dim: int, causal: bool
     loaded, the choice flipped between loads (the vision kernel never taken in one, where quiet runs had it 1.7x
     faster); on one thread the same contention left it unchanged."""
     key = (heads, kv_heads, head_dim, causal)
-    if key in _PREFILL_FROM:
-        return _PREFILL_FROM[key]
+    return tuning_cache.remembered(_PREFILL_FROM, "prefill_attention", key,
+                                   lambda: _probe_prefill_kernel(heads, kv_heads, head_dim, causal))
+
+
+def _probe_prefill_kernel(heads: int, kv_heads: int, head_dim: int, causal: bool) -> int:
     lib = cpu_kernels.library()
     g = torch.Generator().manual_seed(0)
     start = 0
@@ -206,5 +210,4 @@ def choose_prefill_kernel(heads: int, kv_heads: int, head_dim: int, causal: bool
                 start = n
     finally:
         torch.set_num_threads(threads)
-    _PREFILL_FROM[key] = start
     return start

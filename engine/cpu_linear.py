@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import engine.cpu_kernels as cpu_kernels
+import engine.tuning_cache as tuning_cache
 
 logger = logging.getLogger(__name__)
 
@@ -177,20 +178,21 @@ def timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[floa
     """Per probe of :data:`ROW_PROBES`: (``F.linear`` s, packed s) for this weight here, both on the same random
     rows; measured once per (shape, dtype, bias, threads)."""
     key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
-    if key not in _timings:
-        copies = _cold_copies(weight)
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in copies]
-        gen = torch.Generator().manual_seed(0)
-        turn = itertools.count()
-        row = []
-        for rows in ROW_PROBES:
-            x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
-            row.append(tuple(median_seconds_each([
-                lambda: F.linear(x, copies[next(turn) % len(copies)], bias),
-                lambda: torch.ops.mkldnn._linear_pointwise(x, packed[next(turn) % len(packed)], bias, "none", [],
-                                                           "")])))
-        _timings[key] = tuple(row)
-    return _timings[key]
+    return tuning_cache.remembered(_timings, "linear", key, lambda: _measure_timings(weight, bias))
+
+
+def _measure_timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[float, float], ...]:
+    copies = _cold_copies(weight)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in copies]
+    gen = torch.Generator().manual_seed(0)
+    turn = itertools.count()
+    row = []
+    for rows in ROW_PROBES:
+        x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
+        row.append(tuple(median_seconds_each([
+            lambda: F.linear(x, copies[next(turn) % len(copies)], bias),
+            lambda: torch.ops.mkldnn._linear_pointwise(x, packed[next(turn) % len(packed)], bias, "none", [], "")])))
+    return tuple(row)
 
 
 def few_row_timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[float, float], ...]:
@@ -201,22 +203,24 @@ def few_row_timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tu
     if lib is None:
         return ()
     key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
-    if key not in _few_row_timings:
-        copies = _cold_copies(weight)
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in copies]
-        b = None if bias is None else bias.detach().contiguous()
-        gen = torch.Generator().manual_seed(0)
-        turn = itertools.count()
-        row = []
-        for rows in FEW_ROW_PROBES:
-            x = torch.randn(rows, weight.shape[1], generator=gen)
-            native, onednn, few = median_seconds_each([
-                lambda: F.linear(x, copies[next(turn) % len(copies)], b),
-                lambda: torch.ops.mkldnn._linear_pointwise(x, packed[next(turn) % len(packed)], b, "none", [], ""),
-                lambda: cpu_kernels.linear(lib, x, copies[next(turn) % len(copies)], b)])
-            row.append((min(native, onednn), few))
-        _few_row_timings[key] = tuple(row)
-    return _few_row_timings[key]
+    return tuning_cache.remembered(_few_row_timings, "few_row", key, lambda: _measure_few_rows(lib, weight, bias))
+
+
+def _measure_few_rows(lib, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[float, float], ...]:
+    copies = _cold_copies(weight)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in copies]
+    b = None if bias is None else bias.detach().contiguous()
+    gen = torch.Generator().manual_seed(0)
+    turn = itertools.count()
+    row = []
+    for rows in FEW_ROW_PROBES:
+        x = torch.randn(rows, weight.shape[1], generator=gen)
+        native, onednn, few = median_seconds_each([
+            lambda: F.linear(x, copies[next(turn) % len(copies)], b),
+            lambda: torch.ops.mkldnn._linear_pointwise(x, packed[next(turn) % len(packed)], b, "none", [], ""),
+            lambda: cpu_kernels.linear(lib, x, copies[next(turn) % len(copies)], b)])
+        row.append((min(native, onednn), few))
+    return tuple(row)
 
 
 def few_rows_upto(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
@@ -239,28 +243,31 @@ def choose_tile_rows(weight: torch.Tensor) -> int:
     if lib is None:
         return 0
     key = (*weight.shape, torch.get_num_threads())
-    if key not in _tile_rows:
-        copies = _cold_copies(weight)
-        gen = torch.Generator().manual_seed(0)
-        turn = itertools.count()
+    rows = tuning_cache.remembered(_tile_rows, "tile_rows", key, lambda: _measure_tile_rows(lib, weight))
+    lib.duet_set_linear_tile_rows(rows)
+    return rows
 
-        def run(x: torch.Tensor, rows: int) -> None:
-            lib.duet_set_linear_tile_rows(rows)
-            cpu_kernels.linear(lib, x, copies[next(turn) % len(copies)], None)
 
-        upto = 0
-        try:
-            for rows in reversed(TILE_ROW_PROBES):
-                x = torch.randn(rows, weight.shape[1], generator=gen)
-                gemv, tiled = median_seconds_each([lambda: run(x, 0), lambda: run(x, rows)])
-                if tiled >= 0.95 * gemv:
-                    break
-                upto = rows
-        finally:
-            lib.duet_set_linear_tile_rows(0)
-        _tile_rows[key] = upto
-    lib.duet_set_linear_tile_rows(_tile_rows[key])
-    return _tile_rows[key]
+def _measure_tile_rows(lib, weight: torch.Tensor) -> int:
+    copies = _cold_copies(weight)
+    gen = torch.Generator().manual_seed(0)
+    turn = itertools.count()
+
+    def run(x: torch.Tensor, rows: int) -> None:
+        lib.duet_set_linear_tile_rows(rows)
+        cpu_kernels.linear(lib, x, copies[next(turn) % len(copies)], None)
+
+    start = 0
+    try:
+        for rows in reversed(TILE_ROW_PROBES):
+            x = torch.randn(rows, weight.shape[1], generator=gen)
+            gemv, tiled = median_seconds_each([lambda: run(x, 0), lambda: run(x, rows)])
+            if tiled >= 0.95 * gemv:
+                break
+            start = rows
+    finally:
+        lib.duet_set_linear_tile_rows(0)
+    return start
 
 
 def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
@@ -308,16 +315,17 @@ def make_kernel(mode: str) -> Callable[[torch.Tensor, torch.Tensor | None], Line
     return make
 
 
-def pack_linears(model: nn.Module, mode: str = "auto") -> dict[str, int]:
+def pack_linears(model: nn.Module, mode: str = "auto", *, take_turn: bool = True) -> dict[str, int]:
     """Give every module that takes one (``pack_linears(make)``: :class:`engine.layers.Linear`, attention's split
     projections, the MoE experts) its kernels. Returns ``{"layers", "packed", "few_rows"}`` counts (packed: a layer
-    with any packed row range; few_rows: one whose calls of few rows run the compiled kernel)."""
+    with any packed row range; few_rows: one whose calls of few rows run the compiled kernel). ``take_turn=False``:
+    the caller holds the host's :func:`tuning_turn` already."""
     make = make_kernel(mode)
     if make is None:
         return {"layers": 0, "packed": 0, "few_rows": 0, "moe_one_call_upto": []}
     t0 = time.perf_counter()
     kernels: list[LinearKernel] = []
-    with tuning_turn():
+    with tuning_turn() if take_turn else contextlib.nullcontext():
         waited = time.perf_counter() - t0
         for module in model.modules():
             hook = getattr(module, "pack_linears", None)

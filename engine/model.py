@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import engine.tuning_cache as tuning_cache
 from engine.attention import AttentionMetadata, LayerKV
 from engine.config import ModelConfig, model_family
-from engine.cpu_linear import pack_linears
+from engine.cpu_linear import pack_linears, tuning_turn
 from engine.loader import load_weights
 from engine.models.llava.vision import VisionEncoder
 from engine.models.qwen3_vl.vision import QwenVisionTower
@@ -49,9 +50,12 @@ class LlavaModel(nn.Module):
         with torch.no_grad():
             load_weights(model, Path(model_dir), cfg, model_family(cfg.model_type), dtype)
             model.text.finalize()
-            if torch.device(device).type == "cpu":
-                model.linear_kernels = pack_linears(model, cpu_linear)
-                model.linear_kernels["layer_call_upto"] = model.text.choose_one_call()
+            if torch.device(device).type == "cpu":  # kernel choices: measured, or this host's cached answers
+                with tuning_turn():
+                    tuning_cache.refresh()  # what the process that held the turn before just measured
+                    model.linear_kernels = pack_linears(model, cpu_linear, take_turn=False)
+                    model.linear_kernels["layer_call_upto"] = model.text.choose_one_call()
+                    tuning_cache.save()
         return model.eval().requires_grad_(False)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import engine.cpu_kernels as cpu_kernels
+import engine.tuning_cache as tuning_cache
 from engine.cpu_linear import BUCKET_UPPER, ROW_PROBES, bucket, median_seconds_each
 from engine.layers import ACTIVATIONS, Linear
 from engine.text_config import TextConfig
@@ -109,34 +110,36 @@ class SparseMoe(nn.Module):
         e, two_i, h = self.gate_up_proj.shape
         fusable = self._fusable()
         key = (e, two_i, h, self.top_k, self.gate_up_proj.dtype, torch.get_num_threads(), fusable)
-        if key not in _PATHS:
-            gen = torch.Generator().manual_seed(0)
-            faster, fused = [], 0
-            for t in sorted({*ROW_PROBES, *(FUSED_PROBES if fusable else ())}):
-                x = torch.randn(t, h, generator=gen).to(self.gate_up_proj.dtype)
-                experts = torch.stack([torch.randperm(e, generator=gen)[:self.top_k] for _ in range(t)])
-                weights = torch.full((t, self.top_k), 1.0 / self.top_k, dtype=x.dtype)
-                counts = torch.bincount(experts.view(-1), minlength=e)
-                fns = [lambda: self._experts(x, weights, experts, counts, packed=False),
-                       lambda: self._experts(x, weights, experts, counts, packed=True)]
-                if fusable and t in FUSED_PROBES:
-                    lib = cpu_kernels.library()
-                    fns.append(lambda: cpu_kernels.moe_silu(lib, x, self.gate_up_proj, self.down_proj, experts,
-                                                            weights))
-                grouped, one_by_one, *one_call = median_seconds_each(fns)
-                if t in ROW_PROBES:
-                    faster.append(one_by_one < 0.95 * grouped)
-                if one_call:
-                    fused = t if one_call[0] < 0.95 * min(grouped, one_by_one) else fused
-            fused = FUSED_ALL if fusable and fused == FUSED_PROBES[-1] else fused
-            _PATHS[key] = (tuple(faster), fused)
-            logger.info("MoE %d experts x (%d, %d), top-%d: packed experts at %s tokens, grouped GEMM at %s%s%s", e,
-                        two_i, h, self.top_k, [t for t, f in zip(ROW_PROBES, faster) if f] or "no",
-                        [t for t, f in zip(ROW_PROBES, faster) if not f] or "none",
-                        "" if not fused else "; the compiled one-call path at every step" if fused == FUSED_ALL
-                        else f"; the compiled one-call path up to {fused} tokens",
-                        " (both copies of the experts kept)" if any(faster) and not all(faster) else "")
-        return _PATHS[key]
+        return tuning_cache.remembered(_PATHS, "moe_paths", key, lambda: self._probe_paths(fusable))
+
+    def _probe_paths(self, fusable: bool) -> tuple[tuple[bool, ...], int]:
+        e, two_i, h = self.gate_up_proj.shape
+        gen = torch.Generator().manual_seed(0)
+        faster, fused = [], 0
+        for t in sorted({*ROW_PROBES, *(FUSED_PROBES if fusable else ())}):
+            x = torch.randn(t, h, generator=gen).to(self.gate_up_proj.dtype)
+            experts = torch.stack([torch.randperm(e, generator=gen)[:self.top_k] for _ in range(t)])
+            weights = torch.full((t, self.top_k), 1.0 / self.top_k, dtype=x.dtype)
+            counts = torch.bincount(experts.view(-1), minlength=e)
+            fns = [lambda: self._experts(x, weights, experts, counts, packed=False),
+                   lambda: self._experts(x, weights, experts, counts, packed=True)]
+            if fusable and t in FUSED_PROBES:
+                lib = cpu_kernels.library()
+                fns.append(lambda: cpu_kernels.moe_silu(lib, x, self.gate_up_proj, self.down_proj, experts,
+                                                        weights))
+            grouped, one_by_one, *one_call = median_seconds_each(fns)
+            if t in ROW_PROBES:
+                faster.append(one_by_one < 0.95 * grouped)
+            if one_call:
+                fused = t if one_call[0] < 0.95 * min(grouped, one_by_one) else fused
+        fused = FUSED_ALL if fusable and fused == FUSED_PROBES[-1] else fused
+        logger.info("MoE %d experts x (%d, %d), top-%d: packed experts at %s tokens, grouped GEMM at %s%s%s", e,
+                    two_i, h, self.top_k, [t for t, f in zip(ROW_PROBES, faster) if f] or "no",
+                    [t for t, f in zip(ROW_PROBES, faster) if not f] or "none",
+                    "" if not fused else "; the compiled one-call path at every step" if fused == FUSED_ALL
+                    else f"; the compiled one-call path up to {fused} tokens",
+                    " (both copies of the experts kept)" if any(faster) and not all(faster) else "")
+        return tuple(faster), fused
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts' (gate_up [E, 2I, H], down [E, H, I]), plain tensors (rebuilt when only packed ones remain)."""

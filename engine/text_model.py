@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import engine.cpu_kernels as cpu_kernels
+import engine.tuning_cache as tuning_cache
 from engine.cpu_linear import choose_tile_rows
 from engine.attention import AttentionMetadata, DecodeBatch, LayerKV, choose_prefill_kernel, paged_attention
 from engine.layers import Linear, apply_rotary, rms_norm
@@ -196,6 +197,19 @@ def _one_call_probe(layers: list[DecoderLayer], batch: int, reps: int = 5) -> tu
     return best[0], best[1]
 
 
+def _probe_one_call(probe: list[DecoderLayer], cap: int) -> int:
+    counts = [m.mlp.expert_counts.clone() for m in probe if isinstance(m.mlp, SparseMoe)]
+    upto = 0
+    for batch in (b for b in ONE_CALL_PROBES if b <= cap):
+        modules, one = _one_call_probe(probe, batch)
+        if one >= modules:
+            break
+        upto = batch
+    for m, c in zip((m for m in probe if isinstance(m.mlp, SparseMoe)), counts, strict=True):
+        m.mlp.expert_counts.copy_(c)  # the probes' routing is not traffic
+    return upto
+
+
 class TextModel(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
@@ -237,20 +251,10 @@ class TextModel(nn.Module):
         cap = min((m.mlp.one_call_upto for m in layers if isinstance(m.mlp, SparseMoe)), default=ONE_CALL_PROBES[-1])
         probe = layers[:ONE_CALL_LAYERS]
         key = (tuple(tuple(p.shape) for m in probe for p in m.parameters()), cap, torch.get_num_threads())
-        if key not in _ONE_CALL:
-            counts = [m.mlp.expert_counts.clone() for m in probe if isinstance(m.mlp, SparseMoe)]
-            upto = 0
-            for batch in (b for b in ONE_CALL_PROBES if b <= cap):
-                modules, one = _one_call_probe(probe, batch)
-                if one >= modules:
-                    break
-                upto = batch
-            for m, c in zip((m for m in probe if isinstance(m.mlp, SparseMoe)), counts, strict=True):
-                m.mlp.expert_counts.copy_(c)  # the probes' routing is not traffic
-            _ONE_CALL[key] = upto
+        upto = tuning_cache.remembered(_ONE_CALL, "one_call", key, lambda: _probe_one_call(probe, cap))
         for m in layers:
-            m.layer_call_upto = _ONE_CALL[key]
-        return _ONE_CALL[key]
+            m.layer_call_upto = upto
+        return upto
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows, returned in float32."""

@@ -17,6 +17,7 @@ Helpers (plain functions, ``from tests.conftest import ...``): :func:`make_reque
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,6 +28,10 @@ import torch
 
 from engine import LLM, LLMEngine, SamplingParams
 from duet_testing.checkpoints import TinySpec, image_tokens_per_image, make_tiny_checkpoint
+
+# Every process of the suite (Ray workers included) measures its kernel choices afresh: tests that check a choice is
+# measured at load stay meaningful, and nothing is written to the user's cache (tests of the cache set their own).
+os.environ.setdefault("DUET_TUNING_CACHE", "off")
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine torch's thread pool spinning against
 # other processes makes each step many times slower; one thread keeps the suite fast and its timing stable.
