@@ -99,7 +99,8 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.one_call = False  # the one-call path may run here (pack_linears) ...
         self.layer_call_upto = 0  # ... on decode steps of up to this many sequences (TextModel.choose_one_call)
-        self._checked_weights: tuple[torch.Tensor, ...] = ()  # the weights last found fit for the one-call path
+        # (the experts' weight it was bound with, the one-call path's arguments or None where it cannot run)
+        self._one_call_args: tuple[torch.Tensor | None, dict | None] | None = None
 
     def pack_linears(self, make) -> list:
         """CPU kernel choice (:func:`engine.cpu_linear.pack_linears`): in ``auto`` mode the layer's decode steps may
@@ -130,13 +131,31 @@ class DecoderLayer(nn.Module):
         """The layer in one compiled call (:func:`engine.cpu_kernels.decode_layer`) for a decode-only step of a few
         sequences in float32 on CPU, where each of the ~20 ops of the module path would cost more in dispatch and
         cold caches than in arithmetic; None where it does not apply (the module path runs)."""
-        attn, mlp = self.self_attn, self.mlp
-        cos, sin = rope
-        if cos.shape[-1] != attn.d:
+        mlp = self.mlp
+        moe = isinstance(mlp, SparseMoe)
+        if moe and (mlp.executor is not None or mlp.record_routing or x.shape[0] > mlp.one_call_upto):
             return None
+        key = mlp.gate_up_proj if moe else None  # replaced when the experts move (the binding is then redone)
+        bound = self._one_call_args
+        if bound is None or bound[0] is not key:
+            bound = self._one_call_args = (key, self._bind_one_call())
+        args = bound[1]
+        cos, sin = rope
+        if args is None or cos.shape[-1] != args["head_dim"]:
+            return None
+        lib = _f32_kernels(x, cos, sin, kv.mirror_k, kv.mirror_v, kv.k, kv.v)
+        if lib is None:
+            return None
+        dec = meta.decode
+        return cpu_kernels.decode_layer(lib, x, cos=cos, sin_signed=sin, mirror=(kv.mirror_k, kv.mirror_v),
+                                        slots=dec.slots, pos=dec.write_pos, max_len=dec.max_len,
+                                        pool=(kv.k, kv.v, meta.slot_mapping), **args)
+
+    def _bind_one_call(self) -> dict | None:
+        """The one-call path's per-layer arguments (weights, shapes), checked once: None where the layer cannot take
+        it (not a SwiGLU MLP or routed experts, or a weight the kernels cannot read as it is)."""
+        attn, mlp = self.self_attn, self.mlp
         if isinstance(mlp, SparseMoe):
-            if mlp.executor is not None or mlp.record_routing or x.shape[0] > mlp.one_call_upto:
-                return None
             gate_up, down, router = mlp.gate_up_proj, mlp.down_proj, mlp.gate.weight
         elif mlp.silu:
             gate_up, down, router = mlp.gate_up_proj.weight, mlp.down_proj.weight, None
@@ -144,25 +163,15 @@ class DecoderLayer(nn.Module):
             return None
         qkv, o = attn.qkv_proj, attn.o_proj
         qk_w = attn._qk_w if attn.qk_norm else None
-        weights = tuple(t for t in (qkv.weight, o.weight, gate_up, down, self.input_layernorm,
-                                    self.post_attention_layernorm, router, qkv.bias, o.bias, qk_w) if t is not None)
-        checked = self._checked_weights  # the weights' check holds until one of them is replaced
-        if len(checked) != len(weights) or any(a is not b for a, b in zip(checked, weights)):
-            if _f32_kernels(*weights) is None:
-                return None
-            self._checked_weights = weights
-        lib = _f32_kernels(x, cos, sin, kv.mirror_k, kv.mirror_v, kv.k, kv.v)
-        if lib is None:
+        weights = (qkv.weight, o.weight, gate_up, down, self.input_layernorm, self.post_attention_layernorm, router,
+                   qkv.bias, o.bias, qk_w)
+        if _f32_kernels(*(t for t in weights if t is not None)) is None:
             return None
-        dec = meta.decode
-        return cpu_kernels.decode_layer(
-            lib, x, eps=self.eps, ln1=self.input_layernorm, ln2=self.post_attention_layernorm, wqkv=qkv.weight,
-            bqkv=qkv.bias, heads=attn.h, kv_heads=attn.kvh, head_dim=attn.d,
-            qk_norm=qk_w, scale=attn.scale, cos=cos, sin_signed=sin,
-            mirror=(kv.mirror_k, kv.mirror_v), slots=dec.slots, pos=dec.write_pos, max_len=dec.max_len,
-            pool=(kv.k, kv.v, meta.slot_mapping), wo=o.weight, bo=o.bias, gate_up=gate_up, down=down, router=router,
-            top_k=getattr(mlp, "top_k", 1), norm_topk=getattr(mlp, "norm_topk_prob", False),
-            counts=getattr(mlp, "expert_counts", None))
+        return dict(eps=self.eps, ln1=self.input_layernorm, ln2=self.post_attention_layernorm, wqkv=qkv.weight,
+                    bqkv=qkv.bias, heads=attn.h, kv_heads=attn.kvh, head_dim=attn.d, qk_norm=qk_w, scale=attn.scale,
+                    wo=o.weight, bo=o.bias, gate_up=gate_up, down=down, router=router,
+                    top_k=getattr(mlp, "top_k", 1), norm_topk=getattr(mlp, "norm_topk_prob", False),
+                    counts=getattr(mlp, "expert_counts", None))
 
 
 ONE_CALL_PROBES = (1, 4, 8, 16, 32, 64)  # decode batch sizes the one-call layer is timed at (it stops at a loss)
