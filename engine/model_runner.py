@@ -42,6 +42,7 @@ class ModelRunner:
         """``track_routing``, ``query_window``: the owner's :class:`engine.hooks.EngineHooks` switches, fixed here."""
         t = model.cfg.text
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
+        self._moe_cache: list[SparseMoe] | None = None
         shape = (num_blocks, block_size, t.num_kv_heads, t.head_dim)
         self.kv_index = {layer: i for i, layer in enumerate(t.kv_layers)}  # decoder layer -> pool entry
         self.pool = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -344,7 +345,9 @@ class ModelRunner:
         return any(m.record_routing for m in self._moe_layers())
 
     def _moe_layers(self) -> list[SparseMoe]:
-        return [layer.mlp for layer in self.model.text.layers if isinstance(layer.mlp, SparseMoe)]
+        if self._moe_cache is None:  # the layers' MLP modules are fixed once loaded
+            self._moe_cache = [layer.mlp for layer in self.model.text.layers if isinstance(layer.mlp, SparseMoe)]
+        return self._moe_cache
 
     def _accumulate_routing(self, sched: SchedulerOutput) -> None:
         """Add this step's per-sequence expert choices to ``seq.expert_hist`` ([num_layers, num_experts])."""
