@@ -80,8 +80,7 @@ class DecodeActor(WorkerActorBase):
         # polls again (it has taken it). Served text TTFT, 2 cores, serve-peer text workload: 33.9 -> 31.7 ms.
         self._handoff_until = 0.0
         self._handed = False  # the last reply carried an urgent event
-        self._urgent_n = 0  # urgent publications so far; the loop waits for a poll to take each one once
-        self._picked_n = 0
+        self._pickup_due = False  # an urgent event was published since the loop last waited for a poll to take one
         self.epoch = 0  # the front-end generation served (reset); polls of another get nothing
         self._store = None  # rank 0 of an expert-parallel group hosts the rendezvous store
         self._lane: LaneServer | None = None  # the front-end's loopback lane (lane), opened on its first ask
@@ -321,9 +320,11 @@ class DecodeActor(WorkerActorBase):
         thread needs the interpreter lock, which the step's Python holds between kernels (served text TTFT, 2 cores:
         35.1 against 37.0 ms without). At most :data:`PICKUP_S`: a front-end that is not polling does not stall
         decoding."""
+        if not self._pickup_due:  # read without the lock (set under it by _publish, cleared only here)
+            return
         with self.cond:
-            if self._urgent and self._picked_n != self._urgent_n:
-                self._picked_n = self._urgent_n
+            self._pickup_due = False
+            if self._urgent:
                 self.cond.wait_for(lambda: not self._urgent or self.stopped, timeout=PICKUP_S)
 
     def _group_loop(self) -> None:
@@ -350,8 +351,7 @@ class DecodeActor(WorkerActorBase):
                 self.pending.extend(events)
                 if any(_urgent(ev) for ev in events):
                     self._handoff_until = time.monotonic() + HANDOFF_S
-                    self._urgent = True
-                    self._urgent_n += 1
+                    self._urgent = self._pickup_due = True
                 self.cond.notify_all()
 
     def _step(self) -> list[DecodeEvent]:

@@ -195,7 +195,7 @@ def test_a_first_token_on_its_way_keeps_steps_narrow_until_the_front_end_polls_a
         request_id="h", prompt=prompt_wire.prompt_to_wire(prompt, for_encoder=False),
         params=messages.params_to_dict(greedy(30)))))
     end = time.monotonic() + 60
-    while actor._urgent_n == 0:  # nobody polls: the first token waits in pending
+    while not actor._urgent:  # nobody polls: the first token waits in pending
         assert time.monotonic() < end
         time.sleep(0.001)
     assert actor._handoff_until > 0 and actor._urgent
@@ -205,7 +205,7 @@ def test_a_first_token_on_its_way_keeps_steps_narrow_until_the_front_end_polls_a
     assert actor._handoff_until == 0.0 and not actor._handed
     events = _poll_until(actor, lambda evs: any(e.finished for e in evs))
     assert sum(len(e.token_ids) for e in first + events) == 30
-    assert actor._picked_n == actor._urgent_n == 2  # the first token and the end, each waited for once
+    assert not actor._pickup_due  # the first token and the end were each waited for (once, at most PICKUP_S)
     assert 0 < actor_mod.PICKUP_S <= 0.01 and 0 < actor_mod.HANDOFF_S <= 0.05
     _idle(actor)
 
