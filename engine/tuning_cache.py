@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+import engine.cpu_kernels as cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 CACHE_VERSION = 1  # bump when a probe's definition changes what its answer means
@@ -59,8 +61,6 @@ def cache_path() -> Path | None:
 
 
 def _host_key() -> str:
-    from engine import cpu_kernels
-
     sources = b"".join(p.read_bytes() for p in (*cpu_kernels.SOURCES, cpu_kernels.HEADER) if p.exists())
     parts = [str(CACHE_VERSION), torch.__version__, cpu_kernels._cpu_signature(), hashlib.sha256(sources).hexdigest()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
