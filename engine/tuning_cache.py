@@ -21,6 +21,7 @@ load, it only saves time.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -60,6 +61,7 @@ def cache_path() -> Path | None:
     return base / f"tuning_{_host_key()}.json"
 
 
+@functools.lru_cache(maxsize=1)
 def _host_key() -> str:
     sources = b"".join(p.read_bytes() for p in (*cpu_kernels.SOURCES, cpu_kernels.HEADER) if p.exists())
     parts = [str(CACHE_VERSION), torch.__version__, cpu_kernels._cpu_signature(), hashlib.sha256(sources).hexdigest()]
@@ -103,8 +105,9 @@ def remembered(table: dict, name: str, key: tuple, measure: Callable[[], Any]) -
         return table[key]
     value = measure()
     table[key] = value
-    with _lock:
-        _new.setdefault(name, {})[repr(key)] = [value, time.time()]
+    if os.environ.get(ENV, "").lower() != "off":  # kept for save()
+        with _lock:
+            _new.setdefault(name, {})[repr(key)] = [value, time.time()]
     return value
 
 
