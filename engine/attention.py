@@ -179,7 +179,7 @@ def choose_prefill_kernel(heads: int, kv_heads: int, head_dim: int, causal: bool
     faster); on one thread the same contention left it unchanged."""
     key = (heads, kv_heads, head_dim, causal)
     return tuning_cache.remembered(_PREFILL_FROM, "prefill_attention", key,
-                                   lambda: _probe_prefill_kernel(heads, kv_heads, head_dim, causal))
+                                   lambda: _probe_prefill_kernel(heads, kv_heads, head_dim, causal), like=0)
 
 
 def _probe_prefill_kernel(heads: int, kv_heads: int, head_dim: int, causal: bool) -> int:

@@ -178,7 +178,8 @@ def timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[floa
     """Per probe of :data:`ROW_PROBES`: (``F.linear`` s, packed s) for this weight here, both on the same random
     rows; measured once per (shape, dtype, bias, threads)."""
     key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
-    return tuning_cache.remembered(_timings, "linear", key, lambda: _measure_timings(weight, bias))
+    return tuning_cache.remembered(_timings, "linear", key, lambda: _measure_timings(weight, bias),
+                                   like=((0.0, 0.0),) * len(ROW_PROBES))
 
 
 def _measure_timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[float, float], ...]:
@@ -203,7 +204,8 @@ def few_row_timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tu
     if lib is None:
         return ()
     key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
-    return tuning_cache.remembered(_few_row_timings, "few_row", key, lambda: _measure_few_rows(lib, weight, bias))
+    return tuning_cache.remembered(_few_row_timings, "few_row", key, lambda: _measure_few_rows(lib, weight, bias),
+                                   like=((0.0, 0.0),) * len(FEW_ROW_PROBES))
 
 
 def _measure_few_rows(lib, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[float, float], ...]:
@@ -243,7 +245,7 @@ def choose_tile_rows(weight: torch.Tensor) -> int:
     if lib is None:
         return 0
     key = (*weight.shape, torch.get_num_threads())
-    rows = tuning_cache.remembered(_tile_rows, "tile_rows", key, lambda: _measure_tile_rows(lib, weight))
+    rows = tuning_cache.remembered(_tile_rows, "tile_rows", key, lambda: _measure_tile_rows(lib, weight), like=0)
     lib.duet_set_linear_tile_rows(rows)
     return rows
 

@@ -110,7 +110,8 @@ class SparseMoe(nn.Module):
         e, two_i, h = self.gate_up_proj.shape
         fusable = self._fusable()
         key = (e, two_i, h, self.top_k, self.gate_up_proj.dtype, torch.get_num_threads(), fusable)
-        return tuning_cache.remembered(_PATHS, "moe_paths", key, lambda: self._probe_paths(fusable))
+        return tuning_cache.remembered(_PATHS, "moe_paths", key, lambda: self._probe_paths(fusable),
+                                       like=((False,) * len(ROW_PROBES), 0))
 
     def _probe_paths(self, fusable: bool) -> tuple[tuple[bool, ...], int]:
         e, two_i, h = self.gate_up_proj.shape

@@ -260,7 +260,7 @@ class TextModel(nn.Module):
         cap = min((m.mlp.one_call_upto for m in layers if isinstance(m.mlp, SparseMoe)), default=ONE_CALL_PROBES[-1])
         probe = layers[:ONE_CALL_LAYERS]
         key = (tuple(tuple(p.shape) for m in probe for p in m.parameters()), cap, torch.get_num_threads())
-        upto = tuning_cache.remembered(_ONE_CALL, "one_call", key, lambda: _probe_one_call(probe, cap))
+        upto = tuning_cache.remembered(_ONE_CALL, "one_call", key, lambda: _probe_one_call(probe, cap), like=0)
         for m in layers:
             m.layer_call_upto = upto
         return upto

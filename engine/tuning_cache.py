@@ -12,7 +12,8 @@ or ``$XDG_CACHE_HOME/duet/tuning``; ``DUET_TUNING_CACHE`` names another director
   node's other workers run.
 
 What one entry depends on is in its key (shapes, dtype, threads) or in the file's name: the CPU (model name and
-flags), torch's version, the compiled kernels' source and :data:`CACHE_VERSION`. An entry older than
+flags), torch's version, the source of the compiled kernels and of the modules that probe them (a changed probe
+never reads an old answer), and :data:`CACHE_VERSION`. An entry older than
 :data:`MAX_AGE_S` is measured again (a host's speed drifts; one noisy measurement is not kept for ever). The file is
 written whole to a temporary file and renamed over the old one, merging what another process wrote meanwhile; a
 file that cannot be read or parsed counts as empty, one that cannot be written is skipped: the cache never fails a
@@ -63,7 +64,9 @@ def cache_path() -> Path | None:
 
 @functools.lru_cache(maxsize=1)
 def _host_key() -> str:
-    sources = b"".join(p.read_bytes() for p in (*cpu_kernels.SOURCES, cpu_kernels.HEADER) if p.exists())
+    here = Path(__file__).parent  # the kernels, and the modules whose probes give the answers
+    probes = [here / f for f in ("cpu_linear.py", "moe.py", "text_model.py", "attention.py", "tuning_cache.py")]
+    sources = b"".join(p.read_bytes() for p in (*cpu_kernels.SOURCES, cpu_kernels.HEADER, *probes) if p.exists())
     parts = [str(CACHE_VERSION), torch.__version__, cpu_kernels._cpu_signature(), hashlib.sha256(sources).hexdigest()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
@@ -91,16 +94,27 @@ def refresh() -> None:
         _entries = _read(path) if path is not None else {}
 
 
-def remembered(table: dict, name: str, key: tuple, measure: Callable[[], Any]) -> Any:
-    """``table[key]``, else this host's cached answer for (``name``, ``key``) if younger than :data:`MAX_AGE_S`,
-    else ``measure()`` (recorded for :func:`save`). Values are JSON numbers, booleans and nested tuples of them."""
+def _shaped_like(value: Any, like: Any) -> bool:
+    """Does ``value`` have ``like``'s structure: tuples of the same lengths, bools where it has bools, other numbers
+    where it has numbers?"""
+    if isinstance(like, tuple):
+        return isinstance(value, tuple) and len(value) == len(like) and all(map(_shaped_like, value, like))
+    if isinstance(like, bool):
+        return isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def remembered(table: dict, name: str, key: tuple, measure: Callable[[], Any], like: Any) -> Any:
+    """``table[key]``, else this host's cached answer for (``name``, ``key``) if younger than :data:`MAX_AGE_S` and
+    shaped ``like`` the answers ``measure`` gives (an example: numbers, booleans and nested tuples of them), else
+    ``measure()`` (recorded for :func:`save`)."""
     if key in table:
         return table[key]
     if _entries is None:
         refresh()
     entry = _entries.get(name, {}).get(repr(key)) if _entries is not None else None
     if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], (int, float)) \
-            and 0 <= time.time() - entry[1] < MAX_AGE_S:
+            and 0 <= time.time() - entry[1] < MAX_AGE_S and _shaped_like(_tuples(entry[0]), like):
         table[key] = _tuples(entry[0])
         return table[key]
     value = measure()

@@ -33,32 +33,35 @@ def test_a_measurement_is_read_back_by_the_next_process(cache_dir, monkeypatch):
     calls = []
     value = ((0.5, 1.5), (True, 3))
     table: dict = {}
-    got = tc.remembered(table, "t", (4, torch.float32, 2), lambda: calls.append(1) or value)
+    got = tc.remembered(table, "t", (4, torch.float32, 2), lambda: calls.append(1) or value, like=value)
     assert got == value and table == {(4, torch.float32, 2): value} and calls == [1]
-    assert tc.remembered(table, "t", (4, torch.float32, 2), lambda: calls.append(1)) == value and calls == [1]
+    assert tc.remembered(table, "t", (4, torch.float32, 2), lambda: calls.append(1), like=value) == value
+    assert calls == [1]
     assert tc.save() and tc.cache_path().is_file() and not tc.save()  # nothing new: not written again
 
     _new_process(monkeypatch)
     fresh: dict = {}
-    got = tc.remembered(fresh, "t", (4, torch.float32, 2), lambda: pytest.fail("measured again"))
+    got = tc.remembered(fresh, "t", (4, torch.float32, 2), lambda: pytest.fail("measured again"), like=value)
     assert got == value and isinstance(got, tuple) and isinstance(got[0], tuple)  # JSON lists back into tuples
-    assert tc.remembered({}, "t", (5, torch.float32, 2), lambda: 7) == 7  # another key is measured
+    assert tc.remembered({}, "t", (5, torch.float32, 2), lambda: 7, like=0) == 7  # another key is measured
+    _new_process(monkeypatch)  # an answer of another shape (a changed probe) is measured again
+    assert tc.remembered({}, "t", (4, torch.float32, 2), lambda: ((1.0, 2.0),), like=((0.0, 0.0),)) == ((1.0, 2.0),)
 
 
 def test_an_old_entry_is_measured_again(cache_dir, monkeypatch):
-    tc.remembered({}, "t", (1,), lambda: 1)
+    tc.remembered({}, "t", (1,), lambda: 1, like=0)
     tc.save()
     _new_process(monkeypatch)
     real = time.time
     monkeypatch.setattr(tc.time, "time", lambda: real() + tc.MAX_AGE_S + 1)
-    assert tc.remembered({}, "t", (1,), lambda: 2) == 2
+    assert tc.remembered({}, "t", (1,), lambda: 2, like=0) == 2
 
 
 def test_save_merges_what_another_process_wrote_meanwhile(cache_dir, monkeypatch):
-    tc.remembered({}, "a", (1,), lambda: 10)  # this process measured "a" (the file was empty when it read it)
+    tc.remembered({}, "a", (1,), lambda: 10, like=0)  # this process measured "a" (the file was empty when it read it)
     mine = tc._new
     _new_process(monkeypatch)
-    tc.remembered({}, "b", (2,), lambda: 20)  # another process measured "b" and saved first
+    tc.remembered({}, "b", (2,), lambda: 20, like=0)  # another process measured "b" and saved first
     assert tc.save()
     monkeypatch.setattr(tc, "_new", mine)
     assert tc.save()
@@ -70,17 +73,20 @@ def test_save_merges_what_another_process_wrote_meanwhile(cache_dir, monkeypatch
 def test_a_bad_file_counts_as_empty_and_off_keeps_nothing(cache_dir, monkeypatch):
     path = tc.cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    for text in ("{not json", json.dumps({"version": tc.CACHE_VERSION + 1, "tables": {"t": {"(1,)": [5, time.time()]}}}),
-                 json.dumps({"version": tc.CACHE_VERSION, "tables": {"t": {"(1,)": "garbage"}}})):
+    now = time.time()
+    for text in ("{not json", json.dumps({"version": tc.CACHE_VERSION + 1, "tables": {"t": {"(1,)": [5, now]}}}),
+                 json.dumps({"version": tc.CACHE_VERSION, "tables": {"t": {"(1,)": "garbage"}}}),
+                 json.dumps({"version": tc.CACHE_VERSION, "tables": {"t": {"(1,)": ["5", now]}}}),
+                 json.dumps({"version": tc.CACHE_VERSION, "tables": {"t": {"(1,)": [True, now]}}})):
         path.write_text(text)
         _new_process(monkeypatch)
-        assert tc.remembered({}, "t", (1,), lambda: 6) == 6
+        assert tc.remembered({}, "t", (1,), lambda: 6, like=0) == 6
     assert tc.save() and json.loads(path.read_text())["tables"]["t"]["(1,)"][0] == 6
 
     monkeypatch.setenv(tc.ENV, "off")
     _new_process(monkeypatch)
     assert tc.cache_path() is None
-    assert tc.remembered({}, "t", (1,), lambda: 8) == 8 and not tc.save()
+    assert tc.remembered({}, "t", (1,), lambda: 8, like=0) == 8 and not tc.save()
 
 
 def test_a_model_load_writes_its_choices_and_the_next_load_probes_nothing(cache_dir, monkeypatch, tiny_model_dir):
