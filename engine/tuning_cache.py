@@ -40,7 +40,7 @@ import engine.cpu_kernels as cpu_kernels
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # bump when a probe's definition changes what its answer means
+CACHE_VERSION = 1  # the file's format (a changed probe is caught by the source hash in the file's name)
 MAX_AGE_S = 12 * 3600.0
 ENV = "DUET_TUNING_CACHE"
 
@@ -54,12 +54,16 @@ def cache_path() -> Path | None:
     where = os.environ.get(ENV, "")
     if where.lower() == "off":
         return None
-    if where:
-        base = Path(where)
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = (Path(xdg) if xdg else Path.home() / ".cache") / "duet" / "tuning"
-    return base / f"tuning_{_host_key()}.json"
+    try:
+        if where:
+            base = Path(where)
+        else:
+            xdg = os.environ.get("XDG_CACHE_HOME")
+            base = (Path(xdg) if xdg else Path.home() / ".cache") / "duet" / "tuning"
+        return base / f"tuning_{_host_key()}.json"
+    except (OSError, RuntimeError) as e:  # no home directory, an unreadable source file: no cache, never a failed load
+        logger.debug("tuning cache off: %s", e)
+        return None
 
 
 @functools.lru_cache(maxsize=1)
