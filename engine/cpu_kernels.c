@@ -159,6 +159,18 @@ static void gemm_t(const float *w, int64_t N, int64_t K, const float *xT, int64_
     while (v < nv) BAND(TILE_ONE, ROWS_ONE, TILE_ONE, ROWS_ONE, 1);
 }
 
+/* The n <= VW rows at rows[] (K floats each) as VW columns of xT [K, ldx] (column r = row r, zeros from n on):
+   the tiled GEMM's operand layout. */
+static void columns_of(const float *const *rows, int64_t n, int64_t K, float *xT, int64_t ldx) {
+    for (int64_t c0 = 0; c0 + VW <= K; c0 += VW) {
+        vec blk[VW];
+        for (int64_t r = 0; r < VW; r++) blk[r] = r < n ? load(rows[r] + c0) : (vec){0};
+        transpose_block((const float *)blk, VW, VW, xT + c0 * ldx, ldx, VW);
+    }
+    for (int64_t c = K / VW * VW; c < K; c++)
+        for (int64_t r = 0; r < VW; r++) xT[c * ldx + r] = r < n ? rows[r][c] : 0.f;
+}
+
 /* y [rows, N] = x [rows, K] @ w [N, K]^T (+ bias) by the tiled GEMM: x transposed into xT [K, ldx] (ldx = rows
    rounded up to whole vectors, zeros beyond), yT = w @ xT by gemm_t, then yT transposed back. At a decode step of
    16-64 rows a projection is bound by multiplies, not memory, and gemv (each weight vector times at most four
@@ -172,12 +184,11 @@ static int linear_tiled(const float *x, int64_t rows, int64_t K, const float *w,
     float *xT = malloc((size_t)(K + N) * ldx * sizeof(float));
     if (!xT) return -1;
     float *yT = xT + K * ldx;
+    const float *xr[VW];
     for (int64_t r0 = 0; r0 < ldx; r0 += VW) {
         const int64_t n = rows - r0 < VW ? rows - r0 : VW;
-        for (int64_t c0 = 0; c0 + VW <= K; c0 += VW)
-            transpose_block(x + r0 * K + c0, K, n, xT + c0 * ldx + r0, ldx, VW);
-        for (int64_t c = K / VW * VW; c < K; c++)
-            for (int64_t r = 0; r < VW; r++) xT[c * ldx + r0 + r] = r < n ? x[(r0 + r) * K + c] : 0.f;
+        for (int64_t r = 0; r < n; r++) xr[r] = x + (r0 + r) * K;
+        columns_of(xr, n, K, xT + r0, ldx);
     }
     const int64_t blocks = (N + VW - 1) / VW;
 #ifdef _OPENMP
@@ -289,13 +300,7 @@ void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t 
             for (int64_t r0 = 0; r0 < lx; r0 += VW) { /* gathered and transposed VW tokens at a time */
                 const int64_t n = mt - r0 < VW ? mt - r0 : VW;
                 for (int64_t r = 0; r < n; r++) rows[r] = x + (pe[r0 + r] / k) * H;
-                for (int64_t c0 = 0; c0 + VW <= H; c0 += VW) {
-                    vec blk[VW];
-                    for (int64_t r = 0; r < VW; r++) blk[r] = r < n ? load(rows[r] + c0) : (vec){0};
-                    transpose_block((const float *)blk, VW, VW, xT + c0 * lx + r0, lx, VW);
-                }
-                for (int64_t c = H / VW * VW; c < H; c++)
-                    for (int64_t r = 0; r < VW; r++) xT[c * lx + r0 + r] = r < n ? rows[r][c] : 0.f;
+                columns_of(rows, n, H, xT + r0, lx);
             }
             gemm_t(wgu, 2 * I, H, xT, lx, gT);
             for (int64_t c = 0; c < I; c++)
