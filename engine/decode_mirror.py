@@ -154,7 +154,7 @@ class DecodeKVMirror:
     def layer_masks(self, seq_ids: list[int], slots: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor] | None:
         """Per-layer decode masks (``mask`` [B, 1, 1, L] plus each slot's bias row) when a sequence of the batch
         had tokens dropped; None otherwise (every layer uses ``mask``)."""
-        if self.bias is None or not self.with_drops.intersection(seq_ids):
+        if not self.has_drops(seq_ids):
             return None
         b, n = mask.shape[0], mask.shape[-1]
         return [mask + bias[slots, :n].view(b, 1, 1, n) for bias in self.bias]
