@@ -223,13 +223,19 @@ int64_t duet_linear_tile_rows = 0; /* rows from which duet_linear_f32 takes line
 
 void duet_set_linear_tile_rows(int64_t rows) { duet_linear_tile_rows = rows; }
 
-/* he [m, I] = silu(g) * u of ge [m, 2I] rows [g; u] (gemv's layout). */
+/* he [m, I] = silu(g) * u of ge [m, 2I] rows [g; u] (gemv's layout), VW lanes at a time by vexp (a scalar expf
+   per element cost more than the experts' multiplies at 32 rows an expert). */
 static void silu_mul(const float *ge, int64_t m, int64_t I, float *he) {
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t c = 0; c < I; c++) {
-            const float g = ge[r * 2 * I + c];
-            he[r * I + c] = g / (1.f + expf(-g)) * ge[r * 2 * I + I + c];
+    const int64_t iv = I & ~(int64_t)(VW - 1);
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = ge + r * 2 * I, *u = g + I;
+        float *o = he + r * I;
+        for (int64_t c = 0; c < iv; c += VW) {
+            const vec gv = load(g + c), s = gv / (1.f + vexp(-gv)) * load(u + c);
+            memcpy(o + c, &s, sizeof s);
         }
+        for (int64_t c = iv; c < I; c++) o[c] = g[c] / (1.f + expf(-g[c])) * u[c];
+    }
 }
 
 #ifndef TAIL_ROWS
@@ -255,10 +261,15 @@ int64_t duet_moe_silu_scratch(int64_t T, int64_t H, int64_t I, int64_t E, int64_
    gemm_t. With OpenMP the experts are shared among the caller's threads (each writes only its experts' scratch),
    then each token sums its rows in expert order, so the result does not depend on the thread count.
    fscratch: duet_moe_silu_scratch(T, H, I, E, k, tile_min) floats; iscratch: 4 E + 2 T k. */
+/* An expert's products over its weights as they are stored: in panels (cpu_panels.c) or row-major. */
+#define EXPERT_GEMV(x, rows, K, w, N, y, ldy, after) \
+    (panel ? panel_gemv(x, rows, K, w, N, y, ldy) : gemv(x, rows, K, w, N, NULL, y, ldy, after))
+
 void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, const float *gate_up,
                        const float *down, const int64_t *ids, const float *weights, int64_t k, int64_t tile_min,
-                       float *fscratch, int64_t *iscratch, float *y) {
+                       int panel, float *fscratch, int64_t *iscratch, float *y) {
     const int64_t P = T * k, per_row = 2 * H + 3 * I;
+    if (panel) tile_min = INT64_MAX; /* panel_gemv is itself a register-tiled GEMM at many rows: no transposes */
     int64_t *start = iscratch, *active = iscratch + E, *region = active + E, *ld = region + E, *pairs = ld + E,
             *pos = pairs + P;
     for (int64_t e = 0; e < E; e++) start[e] = 0;
@@ -321,9 +332,9 @@ void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t 
                 const int64_t mr = m - mt;
                 float *xe = base + lx * per_row, *ge = xe + mr * H, *he = ge + mr * 2 * I, *oe = he + mr * I;
                 for (int64_t r = 0; r < mr; r++) memcpy(xe + r * H, x + (pe[mt + r] / k) * H, H * sizeof(float));
-                gemv(xe, mr, H, wgu, 2 * I, NULL, ge, 2 * I, wd);
+                EXPERT_GEMV(xe, mr, H, wgu, 2 * I, ge, 2 * I, wd);
                 silu_mul(ge, mr, I, he);
-                gemv(he, mr, I, wd, H, NULL, oe, H, NULL);
+                EXPERT_GEMV(he, mr, I, wd, H, oe, H, NULL);
                 /* after the tiled outputs: [mt H, m H) lies in gT / hT / oT (done with) and ends before xe */
                 memcpy(o + mt * H, oe, mr * H * sizeof(float));
             }
@@ -331,9 +342,9 @@ void duet_moe_silu_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t 
             float *xe = base, *ge = xe + m * H, *he = ge + m * 2 * I, *oe = he + m * I;
             const float *after = a + 1 < na ? gate_up + active[a + 1] * 2 * I * H : NULL;
             for (int64_t r = 0; r < m; r++) memcpy(xe + r * H, x + (pe[r] / k) * H, H * sizeof(float));
-            gemv(xe, m, H, wgu, 2 * I, NULL, ge, 2 * I, wd);
+            EXPERT_GEMV(xe, m, H, wgu, 2 * I, ge, 2 * I, wd);
             silu_mul(ge, m, I, he);
-            gemv(he, m, I, wd, H, NULL, oe, H, after);
+            EXPERT_GEMV(he, m, I, wd, H, oe, H, after);
         }
     }
     /* a token's rows lie in ascending expert order in the sorted pairs: sum them in that order */
@@ -595,7 +606,8 @@ void duet_moe_route_f32(const float *x, int64_t T, int64_t H, const float *gate,
      h = rmsnorm(x) ln1; [q k v] = h Wqkv^T (+ bqkv); q, k per-head norm (qk_norm, may be NULL) and rotary;
      k, v into the mirror (and the paged pool); attention as duet_decode_attention_f32; x2 = x + attn Wo^T (+ bo);
      y = x2 + mlp(rmsnorm(x2) ln2), where mlp is E routed experts (top-k of softmax(h2 gate^T), renormalized when
-     norm_topk; counts += picks) or, E = 0, one SwiGLU MLP (gate_up [2I, H], down [H, I]).
+     norm_topk; counts += picks) or, E = 0, one SwiGLU MLP (gate_up [2I, H], down [H, I]); panel: those weights
+     in panels (duet_moe_silu_f32).
    Each stage is the standalone kernel above, so results equal the layer run stage by stage through them.
    fs: float scratch of duet_decode_layer_scratch(...) floats; is: int64 scratch of 4 max(E, 1) + 3 B k' (k' = k,
    or 1 when E = 0). */
@@ -612,7 +624,7 @@ void duet_decode_layer_f32(const float *x, int64_t B, int64_t H, float eps, cons
                            float *mirror_v, const int64_t *slots, const int64_t *pos, int64_t cap, int64_t lds,
                            float *pool_k, float *pool_v, const int64_t *pool_slots, const float *wo, const float *bo,
                            int64_t E, int64_t k, int norm_topk, const float *gate, const float *gate_up,
-                           const float *down, int64_t I, int64_t *counts, float *fs, int64_t *is, float *y) {
+                           const float *down, int64_t I, int panel, int64_t *counts, float *fs, int64_t *is, float *y) {
     const int64_t NQKV = (NH + 2 * KVH) * D;
     float *h = fs, *x2 = h + B * H, *h2 = x2 + B * H, *m = h2 + B * H, *qkv = m + B * H, *att = qkv + B * NQKV;
     float *sc = att + B * NH * D, *logits = sc + B * NH * lds, *wts = logits + B * E;
@@ -627,12 +639,12 @@ void duet_decode_layer_f32(const float *x, int64_t B, int64_t H, float eps, cons
     if (E) {
         int64_t *ids = is, *iscratch = is + B * k;
         duet_moe_route_f32(h2, B, H, gate, E, k, norm_topk, logits, wts, ids, counts);
-        duet_moe_silu_f32(h2, B, H, I, E, gate_up, down, ids, wts, k, INT64_MAX, moe_fs, iscratch, m);
+        duet_moe_silu_f32(h2, B, H, I, E, gate_up, down, ids, wts, k, INT64_MAX, panel, moe_fs, iscratch, m);
     } else {
         int64_t *ids = is;
         for (int64_t b = 0; b < B; b++) { ids[b] = 0; wts[b] = 1.f; }
         /* one expert of weight one: the same SwiGLU, with the weight multiply exact */
-        duet_moe_silu_f32(h2, B, H, I, 1, gate_up, down, ids, wts, 1, INT64_MAX, moe_fs, is + B, m);
+        duet_moe_silu_f32(h2, B, H, I, 1, gate_up, down, ids, wts, 1, INT64_MAX, panel, moe_fs, is + B, m);
     }
     const int64_t n = B * H;
     for (int64_t i = 0; i < n; i++) y[i] = x2[i] + m[i];

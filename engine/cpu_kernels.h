@@ -116,4 +116,10 @@ static inline vec vexp(vec x) {
     return p * (vec)e;
 }
 
+/* Weights packed in panels (cpu_panels.c): PANEL output rows per panel, each stored k-major (K rows of the panel's
+   width), so that a panel is one contiguous stream. N a multiple of VW. */
+#define PANEL (4 * VW)
+/* y [rows, N] (rows ldy apart) = x [rows, K] @ W^T for W [N, K] in panels at wp. */
+void panel_gemv(const float *x, int64_t rows, int64_t K, const float *wp, int64_t N, float *y, int64_t ldy);
+
 #endif

@@ -1,5 +1,5 @@
-"""The CPU kernels of ``cpu_kernels.c`` (few rows) and ``cpu_attention.c`` (prefill attention), compiled on the host
-at first use and called through ctypes.
+"""The CPU kernels of ``cpu_kernels.c`` (few rows), ``cpu_attention.c`` (prefill attention) and ``cpu_panels.c``
+(experts stored in panels, :func:`panel_pack`), compiled on the host at first use and called through ctypes.
 
 Why they exist: a decode step reads every weight once for one or a few rows, and library GEMMs at one row read
 memory at a third of what the core can (``cpu_kernels.c`` says how they differ). Whether they are faster is measured
@@ -13,7 +13,6 @@ The library is cached under ``$DUET_KERNEL_CACHE`` (default ``~/.cache/duet/kern
 source, the flags, the compiler's version and the CPU's model and flags: a host of another kind builds its own, and
 processes on one host build once (written to a temporary name, then renamed into place). No compiler, a failed
 build, or ``DUET_CPU_KERNELS=0``: :func:`library` returns None and every layer keeps the library kernels (logged once).
-
 Calls pass raw pointers of contiguous float32 tensors; the wrappers below check what the C code assumes.
 """
 
@@ -34,16 +33,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "cpu_attention.c"))  # built as one library
-HEADER = Path(__file__).with_name("cpu_kernels.h")  # the vector helpers both include
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "cpu_attention.c", "cpu_panels.c"))  # one .so
+HEADER = Path(__file__).with_name("cpu_kernels.h")  # the vector helpers they include
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
 OPENMP = ("-fopenmp",)  # tried first: libgomp's soname is the one torch loaded, so the kernels share its threads
 BUILD_TIMEOUT_S = 120.0
 MAX_ROWS = 4  # rows a call is meant for: beyond this the library GEMMs reuse each weight line better
 MAX_TOP_K = 64  # top-k the MoE kernel is offered for (routers use 1-10)
 ALL_STEPS = 1 << 62  # a token limit meaning none (the MoE one-call path where it won every probe)
-TILE_MIN = 16  # an expert's rows from which moe_silu takes its tiled GEMM (8-32 measured within noise of each
-# other here, Intel Xeon; fewer leave most of a 16-row tile's lanes empty)
+TILE_MIN = 16  # an expert's rows from which moe_silu takes its tiled GEMM (8-32 within noise, Intel Xeon)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -130,7 +128,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.duet_linear_f32.restype = None
     lib.duet_set_linear_tile_rows.argtypes = [_i]
     lib.duet_set_linear_tile_rows.restype = None
-    lib.duet_moe_silu_f32.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _i, _i, _p, _p, _p]
+    lib.duet_moe_silu_f32.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _i, _i, ctypes.c_int, _p, _p, _p]
     lib.duet_moe_silu_scratch.argtypes = [_i] * 6
     lib.duet_moe_silu_scratch.restype = _i
     lib.duet_moe_silu_f32.restype = None
@@ -146,7 +144,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.duet_decode_layer_scratch.restype = _i
     lib.duet_decode_layer_f32.argtypes = [_p, _i, _i, ctypes.c_float, _p, _p, _p, _p, _i, _i, _i, _p,
                                           ctypes.c_float, _p, _p, _p, _p, _p, _p, _i, _i, _p, _p, _p, _p, _p,
-                                          _i, _i, ctypes.c_int, _p, _p, _p, _i, _p, _p, _p, _p]
+                                          _i, _i, ctypes.c_int, _p, _p, _p, _i, ctypes.c_int, _p, _p, _p, _p]
     lib.duet_decode_layer_f32.restype = None
     lib.duet_decode_attention_f32.restype = None
     lib.duet_moe_route_f32.argtypes = [_p, _i, _i, _p, _i, _i, ctypes.c_int, _p, _p, _p, _p]
@@ -178,13 +176,44 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     return y.view(*x.shape[:-1], n)
 
 
+PANEL, VW = 64, 16  # rows per panel of panel_pack, floats per vector (PANEL and VW in cpu_kernels.h)
+
+
+def panels_fit(w: torch.Tensor) -> bool:
+    """Can :func:`panel_pack` lay out ``w`` [..., N, K] (float32 on CPU, N a whole number of vectors)?"""
+    return usable(w) and w.dim() >= 2 and w.shape[-2] % VW == 0 and w.shape[-1] > 0
+
+
+def _panels(n: int) -> list[tuple[int, int]]:
+    return [(n0, min(PANEL, n - n0)) for n0 in range(0, n, PANEL)]  # (first row, rows) of each panel
+
+
+def panel_pack(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [..., N, K] in panels, the layout the experts' kernels stream (``cpu_panels.c``): rows [n0, n0 + pw) of
+    each matrix as K rows of pw floats, panel after panel (pw = PANEL, the last one the rows left). Same shape and
+    size; only :func:`panel_unpack` reads it back as a matrix."""
+    n, k = w.shape[-2:]
+    flat = w.reshape(-1, n, k)
+    return torch.cat([flat[:, a:a + pw].transpose(1, 2).reshape(len(flat), -1) for a, pw in _panels(n)], 1).view(w.shape)
+
+
+def panel_unpack(p: torch.Tensor) -> torch.Tensor:
+    """The matrices :func:`panel_pack` laid out, row-major again."""
+    n, k = p.shape[-2:]
+    flat = p.reshape(-1, n * k)
+    return torch.cat([flat[:, a * k:(a + pw) * k].view(-1, k, pw).transpose(1, 2) for a, pw in _panels(n)],
+                     1).contiguous().view(p.shape)
+
+
 def moe_silu(lib: ctypes.CDLL, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
-             weights: torch.Tensor, *, checked: bool = False, tile_min: int = TILE_MIN) -> torch.Tensor:
+             weights: torch.Tensor, *, checked: bool = False, tile_min: int = TILE_MIN,
+             panel: bool = False) -> torch.Tensor:
     """Routed SwiGLU experts for x [T, H] (float32): ``gate_up`` [E, 2I, H], ``down`` [E, H, I] (both
     :func:`usable`), ``experts`` [T, k] ids < E, ``weights`` [T, k]. Each expert with tokens runs once over all of
     them; each token's experts are summed in ascending id order, as the grouped path sums them. ``checked``: the
     ids come from :func:`moe_route` (in range by construction), so the range check is skipped. ``tile_min``: an
-    expert with at least this many rows takes the tiled GEMM instead of gemv (``cpu_kernels.c``)."""
+    expert with at least this many rows takes the tiled GEMM instead of gemv (``cpu_kernels.c``). ``panel``: both
+    weights are :func:`panel_pack`'s layout."""
     t, h = x.shape
     e, two_i, _ = gate_up.shape
     i = two_i // 2
@@ -204,7 +233,8 @@ def moe_silu(lib: ctypes.CDLL, x: torch.Tensor, gate_up: torch.Tensor, down: tor
     iscratch = torch.empty(4 * e + 2 * t * k, dtype=torch.int64)
     y = torch.empty(t, h, dtype=torch.float32)
     lib.duet_moe_silu_f32(xc.data_ptr(), t, h, i, e, gate_up.data_ptr(), down.data_ptr(), ids.data_ptr(),
-                          w.data_ptr(), k, tile_min, fscratch.data_ptr(), iscratch.data_ptr(), y.data_ptr())
+                          w.data_ptr(), k, tile_min, int(panel), fscratch.data_ptr(), iscratch.data_ptr(),
+                          y.data_ptr())
     return y
 
 
@@ -303,11 +333,12 @@ def decode_layer(lib: ctypes.CDLL, x: torch.Tensor, *, eps: float, ln1: torch.Te
                  mirror: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, pos: torch.Tensor, max_len: int,
                  pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], wo: torch.Tensor, bo: torch.Tensor | None,
                  gate_up: torch.Tensor, down: torch.Tensor, router: torch.Tensor | None = None, top_k: int = 1,
-                 norm_topk: bool = False, counts: torch.Tensor | None = None) -> torch.Tensor:
+                 norm_topk: bool = False, counts: torch.Tensor | None = None, panel: bool = False) -> torch.Tensor:
     """A whole decoder layer for a decode step of x [B, H] (``duet_decode_layer_f32``): returns the layer's output
     [B, H]; the step's keys and values land in ``mirror`` (k, v [S, KVH, cap, D]) rows ``slots`` at ``pos`` and in
     the paged ``pool`` (k, v, flat slots [B]). MoE when ``router`` [E, H] is given (``gate_up`` [E, 2I, H],
-    ``down`` [E, H, I], ``counts`` [E] += picks), else one SwiGLU MLP (``gate_up`` [2I, H], ``down`` [H, I]).
+    ``down`` [E, H, I], ``counts`` [E] += picks), else one SwiGLU MLP (``gate_up`` [2I, H], ``down`` [H, I]); those
+    two in :func:`panel_pack`'s layout where ``panel``.
     Everything float32 and contiguous, slots and positions in range: the caller (:class:`engine.text_model.
     DecoderLayer`) checks what it cannot know by construction."""
     b, h = x.shape
@@ -327,7 +358,7 @@ def decode_layer(lib: ctypes.CDLL, x: torch.Tensor, *, eps: float, ln1: torch.Te
         mirror[0].data_ptr(), mirror[1].data_ptr(), slots.data_ptr(), pos.data_ptr(), mirror[0].shape[2], lds,
         pool[0].data_ptr(), pool[1].data_ptr(), pool[2].data_ptr(), wo.data_ptr(), None if bo is None else bo.data_ptr(),
         e, kk, int(norm_topk), None if router is None else router.data_ptr(), gate_up.data_ptr(), down.data_ptr(), i,
-        None if counts is None else counts.data_ptr(), fs.data_ptr(), iscr.data_ptr(), y.data_ptr())
+        int(panel), None if counts is None else counts.data_ptr(), fs.data_ptr(), iscr.data_ptr(), y.data_ptr())
     return y
 
 

@@ -60,6 +60,9 @@ class SparseMoe(nn.Module):
         self._swiglu = cfg.hidden_act == "silu"
         self._fused = None  # the compiled library, where its one-call path runs steps of few tokens (pack_linears)
         self._fused_upto = 0  # ... of up to this many tokens
+        self._panels = False  # the experts live in panel_gate_up / panel_down (pack_linears), in panels
+        self.register_buffer("panel_gate_up", None, persistent=False)
+        self.register_buffer("panel_down", None, persistent=False)
 
     def pack_linears(self, make) -> list:
         """CPU (:mod:`engine.cpu_linear`): give each expert packed kernels, then time the two paths -- the grouped
@@ -84,13 +87,31 @@ class SparseMoe(nn.Module):
             self._packed_for, fused = self._measure_paths()
         self._fused = cpu_kernels.library() if fused else None
         self._fused_upto = fused
-        # the packed copies serve only the step sizes the one-call path does not take
-        if not any(p and fused < upper for p, upper in zip(self._packed_for, BUCKET_UPPER)):
+        # the packed copies serve only the step sizes the one-call path does not take (none where it takes all)
+        if fused >= FUSED_ALL or not any(p and fused < upper for p, upper in zip(self._packed_for, BUCKET_UPPER)):
             self._packed = None
+            if fused >= FUSED_ALL and make.mode == "auto":
+                self._to_panels()
             return []
         if all(self._packed_for) and not fused:
             self.release_experts(keep_packed=True)
         return [k for pair in packed for k in pair]
+
+    def _to_panels(self) -> None:
+        """The one-call path takes every step: keep the experts only in the layout its kernels stream
+        (:func:`engine.cpu_kernels.panel_pack`), as buffers that move with the module."""
+        if not (cpu_kernels.panels_fit(self.gate_up_proj) and cpu_kernels.panels_fit(self.down_proj)):
+            return
+        self.panel_gate_up = cpu_kernels.panel_pack(self.gate_up_proj.detach())
+        self.panel_down = cpu_kernels.panel_pack(self.down_proj.detach())
+        self.release_experts(keep_fused=True)
+        self._panels = True
+
+    def kernel_experts(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(gate_up, down, in panels?) as the compiled kernels read them."""
+        if self._panels:
+            return self.panel_gate_up, self.panel_down, True
+        return self.gate_up_proj, self.down_proj, False
 
     @property
     def one_call_upto(self) -> int:
@@ -144,16 +165,20 @@ class SparseMoe(nn.Module):
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts' (gate_up [E, 2I, H], down [E, H, I]), plain tensors (rebuilt when only packed ones remain)."""
+        if self._panels:
+            return cpu_kernels.panel_unpack(self.panel_gate_up), cpu_kernels.panel_unpack(self.panel_down)
         if self._packed is None or self.gate_up_proj.shape[0]:
             return self.gate_up_proj, self.down_proj
         return (torch.stack([gu.dense() for gu, _ in self._packed]),
                 torch.stack([down.dense() for _, down in self._packed]))
 
-    def release_experts(self, *, keep_packed: bool = False) -> None:
+    def release_experts(self, *, keep_packed: bool = False, keep_fused: bool = False) -> None:
         """Drop the all-resident expert tensors (an ``executor`` computes the experts elsewhere)."""
         self.gate_up_proj = nn.Parameter(self.gate_up_proj.new_empty(0, *self.gate_up_proj.shape[1:]), False)
         self.down_proj = nn.Parameter(self.down_proj.new_empty(0, *self.down_proj.shape[1:]), False)
-        self._fused = None  # it reads the plain tensors
+        if not keep_fused:  # it reads the plain tensors (or the panels, dropped too)
+            self._fused, self._panels = None, False
+            self.panel_gate_up = self.panel_down = None
         if not keep_packed:
             self._packed = None
 
@@ -192,8 +217,9 @@ class SparseMoe(nn.Module):
         if self.executor is not None:
             return self.executor(x, weights, experts)
         if self._fused is not None and t <= self._fused_upto and x.dtype == torch.float32:
-            return cpu_kernels.moe_silu(self._fused, x, self.gate_up_proj, self.down_proj, experts, weights,
-                                        checked=lib is not None)
+            gate_up, down, panel = self.kernel_experts()
+            return cpu_kernels.moe_silu(self._fused, x, gate_up, down, experts, weights, checked=lib is not None,
+                                        panel=panel)
         if counts is None:
             counts = torch.bincount(experts.view(-1), minlength=self.num_experts)
         packed = self._packed is not None and self._packed_for[bucket(t)]

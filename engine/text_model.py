@@ -135,7 +135,7 @@ class DecoderLayer(nn.Module):
         moe = isinstance(mlp, SparseMoe)
         if moe and (mlp.executor is not None or mlp.record_routing or x.shape[0] > mlp.one_call_upto):
             return None
-        key = mlp.gate_up_proj if moe else None  # replaced when the experts move (the binding is then redone)
+        key = mlp.kernel_experts()[0] if moe else None  # replaced when the experts move (the binding is redone)
         bound = self._one_call_args
         if bound is None or bound[0] is not key:
             bound = self._one_call_args = (key, self._bind_one_call())
@@ -155,8 +155,9 @@ class DecoderLayer(nn.Module):
         """The one-call path's per-layer arguments (weights, shapes), checked once: None where the layer cannot take
         it (not a SwiGLU MLP or routed experts, or a weight the kernels cannot read as it is)."""
         attn, mlp = self.self_attn, self.mlp
+        panel = False
         if isinstance(mlp, SparseMoe):
-            gate_up, down, router = mlp.gate_up_proj, mlp.down_proj, mlp.gate.weight
+            (gate_up, down, panel), router = mlp.kernel_experts(), mlp.gate.weight
         elif mlp.silu:
             gate_up, down, router = mlp.gate_up_proj.weight, mlp.down_proj.weight, None
         else:
@@ -171,7 +172,7 @@ class DecoderLayer(nn.Module):
                     bqkv=qkv.bias, heads=attn.h, kv_heads=attn.kvh, head_dim=attn.d, qk_norm=qk_w, scale=attn.scale,
                     wo=o.weight, bo=o.bias, gate_up=gate_up, down=down, router=router,
                     top_k=getattr(mlp, "top_k", 1), norm_topk=getattr(mlp, "norm_topk_prob", False),
-                    counts=getattr(mlp, "expert_counts", None))
+                    counts=getattr(mlp, "expert_counts", None), panel=panel)
 
 
 ONE_CALL_PROBES = (1, 4, 8, 16, 32, 64)  # decode batch sizes the one-call layer is timed at (it stops at a loss)

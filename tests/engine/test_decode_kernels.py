@@ -166,8 +166,9 @@ def _layer_reference(x, p, cos, sin, mk, mv, slots, pos, scale):
 
 
 @pytest.mark.parametrize("b,tile_rows", [(1, 0), (3, 0), (4, 0), (20, 0), (20, 8)])  # 8: the projections tiled
-@pytest.mark.parametrize("moe,bias,qk_norm", [(True, False, True), (False, True, False), (True, True, False)])
-def test_decode_layer_equals_the_layer_in_torch_ops(b, tile_rows, moe, bias, qk_norm, monkeypatch):
+@pytest.mark.parametrize("moe,bias,qk_norm,panel", [(True, False, True, False), (False, True, False, False),
+                                                    (True, True, False, False), (True, False, True, True)])
+def test_decode_layer_equals_the_layer_in_torch_ops(b, tile_rows, moe, bias, qk_norm, panel, monkeypatch):
     import ctypes
 
     monkeypatch.setattr(ctypes.c_int64.in_dll(LIB, "duet_linear_tile_rows"), "value", tile_rows)
@@ -191,8 +192,9 @@ def test_decode_layer_equals_the_layer_in_torch_ops(b, tile_rows, moe, bias, qk_
         LIB, x, eps=1e-6, ln1=p["ln1"], ln2=p["ln2"], wqkv=p["wqkv"], bqkv=p["bqkv"], heads=h, kv_heads=kvh,
         head_dim=d, qk_norm=p["qk_norm"], scale=d ** -0.5, cos=cos, sin_signed=sin, mirror=(mk, mv), slots=slots,
         pos=pos, max_len=int(pos.max()) + 1, pool=(pool_k, pool_v, pool_slots), wo=p["wo"], bo=p["bo"],
-        gate_up=p["gate_up"], down=p["down"], router=p["router"], top_k=2, norm_topk=True,
-        counts=counts if moe else None)
+        gate_up=cpu_kernels.panel_pack(p["gate_up"]) if panel else p["gate_up"],
+        down=cpu_kernels.panel_pack(p["down"]) if panel else p["down"], router=p["router"], top_k=2, norm_topk=True,
+        counts=counts if moe else None, panel=panel)  # panel: the experts as the one-call path keeps them
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(mk, want_mk, **TOL)
     torch.testing.assert_close(mv, want_mv, **TOL)
