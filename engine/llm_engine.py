@@ -230,7 +230,7 @@ class LLMEngine(ReceiveMixin):
         for r, seq in enumerate(seqs):
             if r not in faults:
                 try:
-                    outputs.extend(self._advance(seq, res, first[r], fan[r], logits[r], now))
+                    outputs.extend(self._advance(seq, res, first[r], fan[r], logits, r, now))
                     continue
                 except Exception as e:  # noqa: BLE001 - this request's fault (engine.isolation)
                     faults[r] = e
@@ -248,17 +248,17 @@ class LLMEngine(ReceiveMixin):
         apply_logits_processors(logits, [q.logits_processor for q in seqs])
         apply_penalties(logits, seqs)
 
-    def _advance(self, seq: Sequence, res: SampleResult, j: int, k: int, logits: torch.Tensor,
+    def _advance(self, seq: Sequence, res: SampleResult, j: int, k: int, logits: torch.Tensor, r: int,
                  now: float) -> list[RequestOutput]:
         """``seq``'s sample ``j`` (and its ``k - 1`` other choices' first ones) -> appended, forked, stop-checked;
-        its outputs. Raises on this request's fault, before the request is forgotten."""
+        its outputs (``logits`` row ``r`` is its). Raises on this request's fault, before the request is forgotten."""
         hook = self.hooks.request_fault
         if hook is not None:
             hook("append", seq)
-        row = logits.cpu() if seq.logits is not None else None
+        row = logits[r].cpu() if seq.logits is not None else None
         self._append(seq, res.tokens[j], res.logprobs[j], row, now)
-        choices = [(t, lp, g) for t, lp, g in zip(res.tokens[j + 1:j + k], res.logprobs[j + 1:j + k],
-                                                  seq.sample_generators(k)[1:], strict=True)]
+        choices = [] if k == 1 else [(t, lp, g) for t, lp, g in zip(
+            res.tokens[j + 1:j + k], res.logprobs[j + 1:j + k], seq.sample_generators(k)[1:], strict=True)]
         if choices and not self.hooks.fork_choices:  # the owner hands them to the side that forks them
             seq.pending_choices = choices
         forked = self._fork(seq, choices, row) if choices and self.hooks.fork_choices else []
@@ -374,7 +374,7 @@ class LLMEngine(ReceiveMixin):
         finished = seq.group[0].group_finished
         outs = [self._completion(q) for q in (seq.group if finished else [seq])]
         head = seq.group[0]
-        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], outs, finished,
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, outs, finished,
                              head.metrics, head.num_cached_tokens, head.prompt_logprobs)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:

@@ -207,19 +207,20 @@ class ModelRunner:
                     self.mirror.assign(s.seq.seq_id, c, self.pool, s.seq.block_table, c + 1, s.seq.kv_dropped)
             if longest:
                 self.mirror.ensure_length(longest)
-            decodes = sorted(sched.decodes, key=lambda s: self.mirror.slot_of[s.seq.seq_id])
+            slot_of = self.mirror.slot_of
+            decodes = sorted(sched.decodes, key=lambda s: slot_of[s.seq.seq_id])
             order += decodes
             b, bs = len(decodes), self.block_size
-            lens = np.empty(b, dtype=np.int64)
-            slot_ids = np.empty(b, dtype=np.int64)
-            for j, s in enumerate(decodes):
-                seq = s.seq
-                c = seq.num_computed_tokens
-                ids.append(seq.token_ids[c])
-                lens[j] = c + 1
-                slot_ids[j] = self.mirror.slot_of[seq.seq_id]
-                slots.append(np.array([seq.block_table[c // bs] * bs + c % bs], dtype=np.int64))
-                logit_rows.append(num_prefill + j)
+            seqs = [s.seq for s in decodes]
+            computed = [q.num_computed_tokens for q in seqs]  # a decode row's position
+            ids += [q.token_ids[c] for q, c in zip(seqs, computed, strict=True)]
+            lens = np.array(computed, dtype=np.int64) + 1
+            slot_ids = np.array([slot_of[q.seq_id] for q in seqs], dtype=np.int64)
+            slots.append(np.array([q.block_table[c // bs] * bs + c % bs for q, c in zip(seqs, computed, strict=True)],
+                                  dtype=np.int64))
+            logit_rows += range(num_prefill, num_prefill + b)
+            for j, seq in enumerate(seqs):
+                c = computed[j]
                 if seq.mm is not None and c < seq.num_prompt_tokens:
                     r = int(np.searchsorted(seq.mm.positions, c))
                     if r < len(seq.mm.positions) and seq.mm.positions[r] == c:

@@ -135,6 +135,7 @@ class Sequence:
     # generator), for the hand-off
     pending_choices: list[tuple[int, TokenLogprobs | None, torch.Generator | None]] | None = None
     _block_hashes: list[bytes] = field(default_factory=list)
+    _prompt_ids: list[int] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.group:
@@ -157,6 +158,13 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's ids, copied once (every output of the request shares the list: readers must not edit it)."""
+        if self._prompt_ids is None or len(self._prompt_ids) != self.num_prompt_tokens:
+            self._prompt_ids = self.token_ids[: self.num_prompt_tokens]
+        return self._prompt_ids
 
     @property
     def output_token_ids(self) -> list[int]:
