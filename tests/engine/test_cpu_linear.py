@@ -67,9 +67,10 @@ def test_measuring_gives_one_answer_per_probe_and_everywhere_is_all_or_nothing()
     assert cpu_linear.timings(w.clone(), None) is times and all(n > 0 and p > 0 for n, p in times)  # once per shape
 
 
-def _moe(e: int = 6) -> SparseMoe:
-    cfg = TextConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=24, intermediate_size=48, num_layers=1,
-                     num_heads=2, num_kv_heads=1, head_dim=12, num_experts=e, top_k=2, moe_intermediate_size=16,
+def _moe(e: int = 6, hidden: int = 24, inter: int = 16) -> SparseMoe:
+    cfg = TextConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=hidden, intermediate_size=48, num_layers=1,
+                     num_heads=2, num_kv_heads=1, head_dim=hidden // 2, num_experts=e, top_k=2,
+                     moe_intermediate_size=inter,
                      rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64, hidden_act="silu",
                      tie_word_embeddings=False, attention_bias=False, qk_norm=True, norm_topk_prob=True,
                      moe_layers=(True,), sliding_window=None)

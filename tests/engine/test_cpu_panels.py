@@ -13,8 +13,8 @@ import torch
 from engine import cpu_kernels, cpu_linear
 from engine import moe as moe_mod
 from engine.moe import SparseMoe
-from engine.text_config import TextConfig
 from tests.engine.test_cpu_kernels import LIB, _moe_reference, avx2_library, needs_lib
+from tests.engine.test_cpu_linear import _moe
 
 TOL = dict(rtol=1e-4, atol=1e-4)  # each output sums its K products in order (a GEMM in blocks): float rounding
 
@@ -91,24 +91,10 @@ def test_panels_built_without_avx512_equal_the_reference(tmp_path, monkeypatch):
         torch.testing.assert_close(got, _moe_reference(x, gate_up, down, experts, weights), **TOL)
 
 
-def _moe32() -> SparseMoe:
-    cfg = TextConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=1,
-                     num_heads=2, num_kv_heads=1, head_dim=16, num_experts=5, top_k=2, moe_intermediate_size=24,
-                     rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64, hidden_act="silu",
-                     tie_word_embeddings=False, attention_bias=False, qk_norm=True, norm_topk_prob=True,
-                     moe_layers=(True,), sliding_window=None)
-    moe = SparseMoe(cfg)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in (moe.gate.weight, moe.gate_up_proj, moe.down_proj):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    return moe.eval().requires_grad_(False)
-
-
 @needs_lib
 @pytest.mark.parametrize("upto", [moe_mod.FUSED_ALL, 16])
 def test_experts_live_in_panels_only_where_the_one_call_path_takes_every_step(monkeypatch, upto):
-    moe = _moe32()
+    moe = _moe(5, hidden=32, inter=24)  # rows of both weights in whole vectors
     gu, down = moe.gate_up_proj.clone(), moe.down_proj.clone()
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
     want = [moe(x[:t]) for t in (1, 3, 40)]
