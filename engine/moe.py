@@ -16,7 +16,9 @@ both are timed at load, per step size, on the layer's own shapes with random rou
 (:meth:`SparseMoe.pack_linears`), and each step takes the faster one for its token count. For steps of at most
 ``cpu_kernels.MAX_ROWS`` tokens a third path competes: the compiled kernel of :mod:`engine.cpu_kernels` that runs a
 token's experts (gate/up, SiLU, down, the weighted sum) in one call, reading each expert's weights at close to the
-core's memory bandwidth (SwiGLU, float32).
+core's memory bandwidth (SwiGLU, float32). Where that path takes every step size, the experts are kept only in the
+panel layout its kernels stream (:func:`engine.cpu_kernels.panel_pack`; :meth:`SparseMoe.expert_weights` rebuilds
+the plain tensors for whoever needs them).
 """
 
 from __future__ import annotations
