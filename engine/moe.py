@@ -101,8 +101,14 @@ class SparseMoe(nn.Module):
 
     def _to_panels(self) -> None:
         """The one-call path takes every step: keep the experts only in the layout its kernels stream
-        (:func:`engine.cpu_kernels.panel_pack`), as buffers that move with the module."""
+        (:func:`engine.cpu_kernels.panel_pack`), as buffers that move with the module, where they were measured
+        faster here (:func:`panels_faster`)."""
         if not (cpu_kernels.panels_fit(self.gate_up_proj) and cpu_kernels.panels_fit(self.down_proj)):
+            return
+        e, two_i, h = self.gate_up_proj.shape
+        key = (e, two_i, h, self.top_k, torch.get_num_threads())
+        if not tuning_cache.remembered(_PANELS, "moe_panels", key, lambda: panels_faster(
+                self.gate_up_proj.detach(), self.down_proj.detach(), self.top_k), like=False):
             return
         self.panel_gate_up = cpu_kernels.panel_pack(self.gate_up_proj.detach())
         self.panel_down = cpu_kernels.panel_pack(self.down_proj.detach())
@@ -162,7 +168,8 @@ class SparseMoe(nn.Module):
                     [t for t, f in zip(ROW_PROBES, faster) if not f] or "none",
                     "" if not fused else "; the compiled one-call path at every step" if fused == FUSED_ALL
                     else f"; the compiled one-call path up to {fused} tokens",
-                    " (both copies of the experts kept)" if any(faster) and not all(faster) else "")
+                    " (both copies of the experts kept)" if any(faster) and not all(faster) and fused != FUSED_ALL
+                    else "")
         return tuple(faster), fused
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,6 +311,45 @@ FUSED_PROBES = (1, 4, 16, 32, 64, 256, 384, 512, 1024, 2048)  # step sizes the o
 FUSED_ALL = cpu_kernels.ALL_STEPS  # SparseMoe._fused_upto: no limit
 # (E, 2I, H, k, dtype, threads, one-call path possible) -> SparseMoe._measure_paths' answer
 _PATHS: dict[tuple, tuple[tuple[bool, ...], int]] = {}
+
+
+PANEL_PROBES = (4, 32, 256)  # tokens a step: decode batches and a prefill chunk (panels_faster)
+PANEL_PROBE_EXPERTS = 8  # experts the probe routes among (copies of them cycled, so they come from memory)
+_PANEL_COLD_BYTES = 64 << 20  # per layout: the probe's copies of those experts add up to this (2x this host's L3)
+_PANELS: dict[tuple, bool] = {}  # (E, 2I, H, k, threads) -> panels_faster's answer
+
+
+def panels_faster(gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> bool:
+    """Are the experts faster in panels than row-major through the one-call kernel, here? Timed at each of
+    :data:`PANEL_PROBES` tokens (random routing among up to :data:`PANEL_PROBE_EXPERTS` experts, both layouts
+    interleaved on cold copies); yes when the geometric mean of the speed-ups is at least 1: one layout serves every
+    step, and where panels win decode steps a prefill chunk may lose a little (measured here, AMD EPYC: 1.2-1.5x at
+    4-32 tokens, 0.93x at 256), and it is the host that says by how much."""
+    lib = cpu_kernels.library()
+    e = min(gate_up.shape[0], PANEL_PROBE_EXPERTS)
+    nbytes = (gate_up[:e].numel() + down[:e].numel()) * gate_up.element_size()
+    copies = [(gate_up[:e].clone(), down[:e].clone()) for _ in range(max(1, min(16, _PANEL_COLD_BYTES // nbytes)))]
+    panels = [(cpu_kernels.panel_pack(g), cpu_kernels.panel_pack(d)) for g, d in copies]
+    gen, turn, ratios = torch.Generator().manual_seed(0), [0], []
+
+    def run(sets, panel, x, ids, w):
+        g, d = sets[turn[0] % len(sets)]
+        turn[0] += 1
+        cpu_kernels.moe_silu(lib, x, g, d, ids, w, panel=panel)
+
+    for t in PANEL_PROBES:
+        x = torch.randn(t, gate_up.shape[2], generator=gen)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:min(top_k, e)] for _ in range(t)])
+        w = torch.full(ids.shape, 1.0 / ids.shape[1])
+        plain, panel = median_seconds_each([lambda: run(copies, False, x, ids, w), lambda: run(panels, True, x, ids, w)])
+        ratios.append(plain / panel)
+    mean = 1.0
+    for r in ratios:
+        mean *= r ** (1 / len(ratios))
+    logger.info("MoE experts (%d, %d) in panels: %s faster at %s tokens -> %s", *gate_up.shape[1:],
+                "/".join(f"{r:.2f}x" for r in ratios), "/".join(map(str, PANEL_PROBES)), "panels" if mean >= 1.0
+                else "row-major")
+    return mean >= 1.0
 
 
 class DenseMlp(nn.Module):

@@ -92,16 +92,19 @@ def test_panels_built_without_avx512_equal_the_reference(tmp_path, monkeypatch):
 
 
 @needs_lib
-@pytest.mark.parametrize("upto", [moe_mod.FUSED_ALL, 16])
-def test_experts_live_in_panels_only_where_the_one_call_path_takes_every_step(monkeypatch, upto):
+@pytest.mark.parametrize("upto,faster", [(moe_mod.FUSED_ALL, True), (moe_mod.FUSED_ALL, False), (16, True)])
+def test_experts_live_in_panels_only_where_the_one_call_path_takes_every_step(monkeypatch, upto, faster):
+    """Panels where the one-call path takes every step and they were measured faster; else row-major as before."""
     moe = _moe(5, hidden=32, inter=24)  # rows of both weights in whole vectors
     gu, down = moe.gate_up_proj.clone(), moe.down_proj.clone()
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
     want = [moe(x[:t]) for t in (1, 3, 40)]
     monkeypatch.setattr(moe_mod, "_PATHS", {})
+    monkeypatch.setattr(moe_mod, "_PANELS", {})
     monkeypatch.setattr(SparseMoe, "_measure_paths", lambda self: ((False, False, False), upto))
+    monkeypatch.setattr(moe_mod, "panels_faster", lambda *a: faster)
     cpu_linear.pack_linears(moe, "auto")
-    panels = upto == moe_mod.FUSED_ALL
+    panels = upto == moe_mod.FUSED_ALL and faster
     assert moe.kernel_experts()[2] == panels and (moe.gate_up_proj.numel() == 0) == panels
     assert moe._packed is None  # no oneDNN copy beside them: no step runs it
     for t, w in zip((1, 3, 40), want, strict=True):
@@ -110,3 +113,24 @@ def test_experts_live_in_panels_only_where_the_one_call_path_takes_every_step(mo
     assert torch.equal(all_gu, gu) and torch.equal(all_down, down)  # rebuilt exactly from the panels
     moe.release_experts()  # an expert-parallel group takes them: nothing may read the panels after
     assert moe._fused is None and moe.kernel_experts()[2] is False and moe.panel_gate_up is None
+
+
+@needs_lib
+def test_the_panel_choice_is_measured_on_cold_copies_and_remembered(monkeypatch):
+    monkeypatch.setattr(moe_mod, "_PANELS", {})
+    monkeypatch.setattr(moe_mod, "PANEL_PROBES", (2, 9))
+    monkeypatch.setattr(moe_mod, "_PANEL_COLD_BYTES", 1 << 16)
+    calls = []
+    real = cpu_kernels.moe_silu
+    monkeypatch.setattr(cpu_kernels, "moe_silu", lambda *a, **kw: calls.append(kw.get("panel")) or real(*a, **kw))
+    moe = _moe(5, hidden=32, inter=24)
+    monkeypatch.setattr(SparseMoe, "_measure_paths", lambda self: ((False, False, False), moe_mod.FUSED_ALL))
+    cpu_linear.pack_linears(moe, "auto")
+    (key, answer), = moe_mod._PANELS.items()
+    assert key == (5, 48, 32, 2, torch.get_num_threads()) and isinstance(answer, bool)
+    assert calls.count(True) == calls.count(False) >= 2 * 3  # both layouts at each probe, interleaved
+    assert moe.kernel_experts()[2] == answer
+    calls.clear()
+    again = _moe(5, hidden=32, inter=24)
+    cpu_linear.pack_linears(again, "auto")
+    assert again.kernel_experts()[2] == answer and not any(c is not None for c in calls)  # not timed again
