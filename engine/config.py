@@ -198,6 +198,10 @@ class EngineConfig:
     # CPU linear layers: "auto" times F.linear against oneDNN with a packed weight per weight shape at load and uses
     # the faster per row range; "packed" always packs, "native" never (engine.cpu_linear)
     cpu_linear: str = "auto"
+    # False: the vision tower (and projector) is neither loaded nor tuned, and a prompt with pixels to encode is
+    # refused: an engine whose prompts arrive with their images encoded elsewhere. None: loaded, unless the engine's
+    # owner never runs it (a decode worker: decode_node.worker)
+    vision_tower: bool | None = None
     scheduling_policy: str = "fcfs"  # admission order: "fcfs" or "shortest" (engine.scheduler)
     scheduling_max_wait_s: float = 10.0  # "shortest": a prompt waiting this long goes first
     seed: int = 0

@@ -5,6 +5,7 @@ Single process, single thread. Node actors in ``prefill_node/`` and ``decode_nod
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 import logging
@@ -49,8 +50,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine(ReceiveMixin):
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, *,
                  hooks: EngineHooks | None = None) -> None:
-        """``hooks``: what the owner plugs in (:class:`engine.hooks.EngineHooks`), handed to the runner and the block
-        manager here and fixed for the engine's life."""
+        """``hooks``: what the owner plugs in (:class:`engine.hooks.EngineHooks`), fixed for the engine's life."""
         self.config = config = config or EngineConfig()
         self.hooks = hooks = hooks or EngineHooks()
         self.model_dir = Path(model_dir)
@@ -61,7 +61,7 @@ class LLMEngine(ReceiveMixin):
             tune_malloc()
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidRequestError("device 'cuda' requested but CUDA is not available")
-        self.model = LlavaModel.load(self.model_dir, cfg, self.dtype, self.device, config.cpu_linear)
+        self.model = LlavaModel.load(self.model_dir, cfg, self.dtype, self.device, config.cpu_linear, config.vision_tower is not False)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.image_processor = image_processor_for(self.model_dir, cfg)
         self.eos_token_ids = list(cfg.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
@@ -87,7 +87,7 @@ class LLMEngine(ReceiveMixin):
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   max_model_len=max_len, max_num_seqs=config.max_num_seqs, dtype=self.dtype,
                                   device=self.device, vision_cache_size=config.vision_cache_size,
-                                  vision_cache_bytes=config.vision_cache_bytes if cfg.vision is not None else 0,
+                                  vision_cache_bytes=config.vision_cache_bytes if self.model.vision is not None else 0,
                                   mirror_tokens=pool.mirror_tokens, num_state_slots=self.num_state_slots + self.num_snapshots,
                                   track_routing=hooks.track_routing, query_window=hooks.query_window)
         # cached image features live in KV blocks the block manager lends, given back first when KV needs them
@@ -132,8 +132,9 @@ class LLMEngine(ReceiveMixin):
         InvalidRequestError (subclasses)."""
         seq = self._new_sequence(request_id, prompt, params or SamplingParams(), arrival_time)
         if seq.mm is not None and not seq.mm.can_encode:
-            raise InvalidRequestError(f"request {request_id!r}: its images carry no pixels here, so its prompt cannot "
-                                      "be computed (such a prompt can only be preallocated for a transfer)")
+            why = "no vision tower here encodes its pixels" if self.model.vision is None else "its images carry no pixels here"
+            raise InvalidRequestError(f"request {request_id!r}: {why}, so its prompt cannot be computed (such a "
+                                      "prompt can only be preallocated for a transfer)")
         return seq
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -164,6 +165,8 @@ class LLMEngine(ReceiveMixin):
                        prompt=p.prompt, mm=p.mm, metrics=RequestMetrics(arrival_time or time.perf_counter()),
                        logits=[] if params.return_logits else None,
                        logprobs=[] if params.logprobs is not None else None)
+        if seq.mm is not None and seq.mm.features is None and self.model.vision is None:  # nothing here encodes
+            seq.mm = dataclasses.replace(seq.mm, pixel_values=None)  # them (a copy: another engine's prompt too)
         seq.logits_processor = self._make_processor(params)
         return seq
 

@@ -87,14 +87,15 @@ def canonical_name(key: str, family: ModelFamily | None = None) -> str | None:
     return None if _IGNORED.search(key) else key
 
 
-def read_tensors(model_dir: Path, family: ModelFamily | None = None) -> dict[str, torch.Tensor]:
+def read_tensors(model_dir: Path, family: ModelFamily | None = None,
+                 skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in weight_files(model_dir):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     name = canonical_name(key, family)
-                    if name is not None:
+                    if name is not None and not (skip and name.startswith(skip)):
                         tensors[name] = f.get_tensor(key)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read {file}: {e}") from None
@@ -131,10 +132,10 @@ def fuse(t: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor
 
 
 def load_weights(model: nn.Module, model_dir: Path, cfg: ModelConfig, family: ModelFamily,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, skip: tuple[str, ...] = ()) -> None:
     """Fill ``model`` (a :class:`engine.model.LlavaModel` of ``cfg``, built by ``family``) from ``model_dir``; raise
-    CheckpointError on any mismatch."""
-    tensors = fuse(read_tensors(model_dir, family), cfg.text.num_experts)
+    CheckpointError on any mismatch. Tensors named with a prefix in ``skip`` are left unread (a part not built)."""
+    tensors = fuse(read_tensors(model_dir, family, skip), cfg.text.num_experts)
     if "text.lm_head.weight" not in tensors and "text.embed_tokens.weight" in tensors:
         tensors["text.lm_head.weight"] = tensors["text.embed_tokens.weight"]
     expected = model.state_dict()

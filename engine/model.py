@@ -27,11 +27,11 @@ MultiModalRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 class LlavaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, vision_tower: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
         self.vision: nn.Module | None = None
-        if cfg.vision is not None:
+        if cfg.vision is not None and vision_tower:
             self.vision = model_family(cfg.model_type).build_vision(cfg)
         self.text: TextModel = model_family(cfg.text.model_type, text=True).build_text(cfg.text)
         self.linear_kernels = {"layers": 0, "packed": 0, "few_rows": 0, "moe_one_call_upto": [],
@@ -40,15 +40,17 @@ class LlavaModel(nn.Module):
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-             cpu_linear: str = "auto") -> LlavaModel:
-        """``cpu_linear``: how linear layers run on CPU (:func:`engine.cpu_linear.pack_linears`)."""
+             cpu_linear: str = "auto", vision_tower: bool = True) -> LlavaModel:
+        """``cpu_linear``: how linear layers run on CPU (:func:`engine.cpu_linear.pack_linears`). ``vision_tower``
+        False: the checkpoint's tower is left unread (``vision.*``: the model then encodes no images)."""
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg, vision_tower)
         model = model.to_empty(device=device).to(dtype)
         for buf in model.buffers():  # buffers are not in the checkpoint
             buf.zero_()
         with torch.no_grad():
-            load_weights(model, Path(model_dir), cfg, model_family(cfg.model_type), dtype)
+            load_weights(model, Path(model_dir), cfg, model_family(cfg.model_type), dtype,
+                         skip=() if vision_tower or cfg.vision is None else ("vision.",))
             model.text.finalize()
             if torch.device(device).type == "cpu":  # kernel choices: measured, or this host's cached answers
                 with tuning_turn():

@@ -197,6 +197,29 @@ def test_decode_worker_encodes_images_when_a_preemption_recomputes_the_prompt(ti
     _idle(pw, dw)
 
 
+def test_a_decode_worker_without_its_vision_tower_decodes_image_prompts_and_refuses_to_encode_them(tiny_model_dir):
+    """``vision_tower=False`` (what a decode actor runs: its prompts come without pixels): the tower is neither built
+    nor loaded, image prompts prefilled elsewhere decode to the local engine's tokens, and a prompt whose images
+    would have to be encoded here is refused with a typed error, nothing kept."""
+    from engine.errors import InvalidRequestError
+
+    prompts = [make_request(6, seed=s, images=[make_image(s)]) for s in (1, 2)] + [make_request(9, seed=5)]
+    params = [greedy(8), greedy(6), greedy(7)]
+    pm = InprocManager()
+    pw = PrefillWorker(tiny_model_dir, EngineConfig(**CFG))
+    dw = DecodeWorker(tiny_model_dir, EngineConfig(**CFG, vision_tower=False), InprocManager())
+    assert dw.engine.model.vision is None
+    assert not any(n.startswith("vision.") for n, _ in dw.engine.model.named_parameters())
+    assert any(n.startswith("vision.") for n, _ in pw.engine.model.named_parameters())
+    got, failed = _run(pw, dw, pm, prompts, params)
+    assert not failed and got == _local(tiny_model_dir, prompts, params)
+    free = dw.free_blocks
+    with pytest.raises(InvalidRequestError, match="vision tower"):
+        dw.engine.add_request("img", prompts[0], greedy(2))
+    assert dw.free_blocks == free and "img" not in dw.engine.requests
+    _idle(pw, dw)
+
+
 def test_a_prefill_worker_reports_the_requests_it_gave_up(tiny_model_dir):
     """A request whose transfer failed before its prefill ran (the decode side aborted it) is dropped by the prefill
     worker and named in its next report, once, with the reason: a front-end whose decode side may not know (a lease
