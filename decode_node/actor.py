@@ -14,7 +14,6 @@ Expert-parallel workers (``expert_parallel`` set) start their loop only once the
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -64,10 +63,7 @@ class DecodeActor(WorkerActorBase):
         # transport refuses to start (MissingSecret) unless insecure (data_plane_auth "off") says so
         self.manager = get_manager_class(transport)(worker_id=worker_id, secret=secret, insecure=insecure)
         ep = None if expert_parallel is None else ExpertParallelConfig(**expert_parallel)
-        config = EngineConfig(**engine_config)
-        if config.vision_tower is None:  # prompts reach this actor over the wire without pixels
-            config = dataclasses.replace(config, vision_tower=False)  # (node_common.prompt_wire): never runs the tower
-        self._build(lambda: DecodeWorker(model_dir, config, self.manager,
+        self._build(lambda: DecodeWorker(model_dir, EngineConfig(**engine_config), self.manager,
                                          lease=LeasePolicy(lease_base_s, lease_min_rate_bps), compression=compression,
                                          expert_parallel=ep,
                                          expert_tiers=None if expert_tiers is None else TierConfig(**expert_tiers)))

@@ -199,9 +199,9 @@ class EngineConfig:
     # the faster per row range; "packed" always packs, "native" never (engine.cpu_linear)
     cpu_linear: str = "auto"
     # False: the vision tower (and projector) is neither loaded nor tuned, and a prompt with pixels to encode is
-    # refused: an engine whose prompts arrive with their images encoded elsewhere. None: loaded, unless the engine's
-    # owner never runs it (a decode worker: decode_node.worker)
-    vision_tower: bool | None = None
+    # refused: an engine whose prompts arrive with their images encoded elsewhere (a cluster's decode workers:
+    # cluster.control.spec.ClusterSpec.engine_config)
+    vision_tower: bool = True
     scheduling_policy: str = "fcfs"  # admission order: "fcfs" or "shortest" (engine.scheduler)
     scheduling_max_wait_s: float = 10.0  # "shortest": a prompt waiting this long goes first
     seed: int = 0
@@ -223,6 +223,8 @@ class EngineConfig:
             raise ValueError("state_snapshot_every_blocks must be >= 0")
         if self.vision_cache_size < 0:
             raise ValueError("vision_cache_size must be >= 0")
+        if not isinstance(self.vision_tower, bool):
+            raise ValueError(f"vision_tower must be true or false, got {self.vision_tower!r}")
         if self.vision_cache_mb is not None and not self.vision_cache_mb >= 0:
             raise ValueError("vision_cache_mb must be >= 0 (or None)")
         if self.decode_mirror_tokens is not None and self.decode_mirror_tokens < 1:

@@ -61,7 +61,7 @@ class LLMEngine(ReceiveMixin):
             tune_malloc()
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidRequestError("device 'cuda' requested but CUDA is not available")
-        self.model = LlavaModel.load(self.model_dir, cfg, self.dtype, self.device, config.cpu_linear, config.vision_tower is not False)
+        self.model = LlavaModel.load(self.model_dir, cfg, self.dtype, self.device, config.cpu_linear, config.vision_tower)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.image_processor = image_processor_for(self.model_dir, cfg)
         self.eos_token_ids = list(cfg.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])

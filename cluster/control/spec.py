@@ -282,8 +282,9 @@ class ClusterSpec:
         if role == "prefill" and self.prefill_max_batched_tokens is not None:
             budget = self.prefill_max_batched_tokens
         extra = dict(self.extra_engine)
-        if role == "decode":  # a decode worker never encodes an image (its prompts come prefilled, or are text)
-            extra.setdefault("vision_cache_mb", 0)
+        if role == "decode":  # a decode worker never encodes an image (its prompts come prefilled, or are text):
+            extra.setdefault("vision_cache_mb", 0)  # no cache of encodings, and its engine neither loads nor tunes
+            extra.setdefault("vision_tower", False)  # the tower (its prompts arrive without pixels)
         if role == "prefill":  # a prefill worker never decodes: no staging to reserve
             extra.pop("decode_mirror_tokens", None)
             slice_s = self.vision_slice(local_prefill)

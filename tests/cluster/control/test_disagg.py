@@ -87,9 +87,11 @@ def test_prefill_workers_run_the_vision_tower_in_slices_by_default(tiny_model_di
     assert "vision_slice_s" not in off.engine_config("prefill")
     mine = ClusterSpec(model_dir=str(tiny_model_dir), extra_engine={"vision_slice_s": 0.2})
     assert mine.engine_config("prefill")["vision_slice_s"] == 0.2  # an engine setting of one's own is kept
-    # a decode worker never encodes an image: no vision cache taken off its KV budget
-    assert spec.engine_config("decode")["vision_cache_mb"] == 0
-    assert "vision_cache_mb" not in spec.engine_config("prefill")
+    # a decode worker never encodes an image: no vision cache taken off its KV budget, no tower loaded or tuned
+    assert spec.engine_config("decode")["vision_cache_mb"] == 0 and spec.engine_config("decode")["vision_tower"] is False
+    assert "vision_cache_mb" not in spec.engine_config("prefill") and "vision_tower" not in spec.engine_config("prefill")
+    keep = ClusterSpec(model_dir=str(tiny_model_dir), extra_engine={"vision_tower": True})
+    assert keep.engine_config("decode")["vision_tower"] is True  # kept where the config asks for it
 
 
 def test_prefill_workers_can_take_their_own_step_budget(ray_cluster, tiny_model_dir):
