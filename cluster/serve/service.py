@@ -120,6 +120,16 @@ class InferenceService:
         self._tag = secrets.token_hex(3)  # keeps client-chosen ids of two front-ends on one cluster apart
         self._calls = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="duet-preprocess")
+        self._pool.submit(self._warm_up)
+
+    def _warm_up(self) -> None:
+        """Pay a first request's one-time front-end costs at start, on a preprocessing thread: the chat template
+        compiled, the tokenizer's and the prompt checks' first calls (a served first request spent ~25 ms more in
+        the front-end than the next ones, 2-core AMD EPYC). Best effort: a failure here is the first request's."""
+        with contextlib.suppress(Exception):
+            tok = self.cluster.tokenizer
+            text = render_chat(tok, self.cluster.inputs.cfg, [{"role": "user", "content": "Hello"}]) if tok else None
+            self.cluster.prepare({"prompt": text or "Hello"})
 
     # ------------------------------------------------------------------------------------------------ generate
     async def generate(self, req: GenerateInput, *, api: str) -> AsyncIterator[DeltaEvent | FinalEvent]:
