@@ -228,7 +228,7 @@ def moe_silu(lib: ctypes.CDLL, x: torch.Tensor, gate_up: torch.Tensor, down: tor
         raise ValueError(f"moe_silu: expert ids outside [0, {e})")
     w = weights.to(torch.float32).contiguous()
     xc = x.contiguous()
-    tile_min = max(int(tile_min), 1)
+    tile_min = ALL_STEPS if panel else max(int(tile_min), 1)  # over panels every expert takes panel_gemv
     fscratch = torch.empty(lib.duet_moe_silu_scratch(t, h, i, e, k, tile_min), dtype=torch.float32)
     iscratch = torch.empty(4 * e + 2 * t * k, dtype=torch.int64)
     y = torch.empty(t, h, dtype=torch.float32)

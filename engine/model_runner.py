@@ -219,8 +219,7 @@ class ModelRunner:
             slots.append(np.array([q.block_table[c // bs] * bs + c % bs for q, c in zip(seqs, computed, strict=True)],
                                   dtype=np.int64))
             logit_rows += range(num_prefill, num_prefill + b)
-            for j, seq in enumerate(seqs):
-                c = computed[j]
+            for j, (seq, c) in enumerate(zip(seqs, computed, strict=True)):
                 if seq.mm is not None and c < seq.num_prompt_tokens:
                     r = int(np.searchsorted(seq.mm.positions, c))
                     if r < len(seq.mm.positions) and seq.mm.positions[r] == c:

@@ -23,7 +23,9 @@ the plain tensors for whoever needs them).
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -329,23 +331,17 @@ def panels_faster(gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> bool
     e = min(gate_up.shape[0], PANEL_PROBE_EXPERTS)
     nbytes = (gate_up[:e].numel() + down[:e].numel()) * gate_up.element_size()
     copies = [(gate_up[:e].clone(), down[:e].clone()) for _ in range(max(1, min(16, _PANEL_COLD_BYTES // nbytes)))]
-    panels = [(cpu_kernels.panel_pack(g), cpu_kernels.panel_pack(d)) for g, d in copies]
-    gen, turn, ratios = torch.Generator().manual_seed(0), [0], []
-
-    def run(sets, panel, x, ids, w):
-        g, d = sets[turn[0] % len(sets)]
-        turn[0] += 1
-        cpu_kernels.moe_silu(lib, x, g, d, ids, w, panel=panel)
-
+    layouts = {False: itertools.cycle(copies),
+               True: itertools.cycle([(cpu_kernels.panel_pack(g), cpu_kernels.panel_pack(d)) for g, d in copies])}
+    gen, ratios = torch.Generator().manual_seed(0), []
     for t in PANEL_PROBES:
         x = torch.randn(t, gate_up.shape[2], generator=gen)
         ids = torch.stack([torch.randperm(e, generator=gen)[:min(top_k, e)] for _ in range(t)])
         w = torch.full(ids.shape, 1.0 / ids.shape[1])
-        plain, panel = median_seconds_each([lambda: run(copies, False, x, ids, w), lambda: run(panels, True, x, ids, w)])
+        plain, panel = median_seconds_each([
+            lambda p=p: cpu_kernels.moe_silu(lib, x, *next(layouts[p]), ids, w, panel=p) for p in (False, True)])
         ratios.append(plain / panel)
-    mean = 1.0
-    for r in ratios:
-        mean *= r ** (1 / len(ratios))
+    mean = math.prod(ratios) ** (1 / len(ratios))
     logger.info("MoE experts (%d, %d) in panels: %s faster at %s tokens -> %s", *gate_up.shape[1:],
                 "/".join(f"{r:.2f}x" for r in ratios), "/".join(map(str, PANEL_PROBES)), "panels" if mean >= 1.0
                 else "row-major")
