@@ -253,6 +253,7 @@ class DecodeActor(WorkerActorBase):
                                  max_model_len=e.max_model_len, receiving=self.worker.receiving,
                                  kv_pool_bytes=kv.pool_bytes, kv_mirror_bytes=kv.mirror_bytes,
                                  kv_state_bytes=kv.state_bytes, running=len(e.scheduler.running),
+                                 kv_text_bytes=kv.text_kv_bytes, kv_visual_bytes=kv.visual_kv_bytes,
                                  step_s=self.worker.step_s, cpu_s=time.process_time(),
                                  local_steps=self.local_steps, wide_steps=self.wide_steps, nice=self.nice,
                                  experts=experts, expert_tiers=tiers, kv_refused=self.manager.refused(),

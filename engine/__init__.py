@@ -2,7 +2,7 @@
 
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import (CheckpointError, DuetError, ImageDecodeError, ImageTokenMismatchError, InvalidRequestError,
-                           PromptTooLongError, TokenOutOfVocabError, UnsupportedModelError)
+                           PromptTooLongError, RequestTooLargeError, TokenOutOfVocabError, UnsupportedModelError)
 from engine.hooks import EngineHooks
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
@@ -12,5 +12,5 @@ from engine.sampling_params import SamplingParams
 __all__ = [
     "LLM", "LLMEngine", "EngineHooks", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "ModelConfig",
     "DuetError", "CheckpointError", "UnsupportedModelError", "InvalidRequestError", "PromptTooLongError",
-    "TokenOutOfVocabError", "ImageDecodeError", "ImageTokenMismatchError",
+    "TokenOutOfVocabError", "ImageDecodeError", "ImageTokenMismatchError", "RequestTooLargeError",
 ]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import engine.cpu_kernels as cpu_kernels
 import engine.tuning_cache as tuning_cache
+from engine.coded_kv import CodedRows, attend_torch
 from engine.state_cache import StateStep
 
 
@@ -48,6 +49,7 @@ class DecodeBatch:
     dense: bool  # slots are exactly 0..B-1, so the batch is a view of the mirror
     mask: torch.Tensor | None  # [B, 1, 1, max_len] additive: 0 within each context, -inf after; None: built on use
     layer_masks: list[torch.Tensor] | None = None  # per layer ``mask`` plus dropped-token bias (decode_mirror)
+    coded: CodedRows | None = None  # rows' coded visual pages (engine.coded_kv), attended after the mirror's keys
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """``mask``, built on first use (a step whose layers all run the compiled one-call path reads none)."""
@@ -95,7 +97,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     lib = _decode_kernel(q, k, v, kv, dec)
     if lib is not None and not meta.prefills:  # a decode-only step: one call writes the pool and mirror, and attends
         return cpu_kernels.decode_attention(lib, q, k, v, kv.mirror_k, kv.mirror_v, dec.slots, dec.write_pos,
-                                            dec.max_len, scale, pool=(k_cache, v_cache, meta.slot_mapping))
+                                            dec.max_len, scale, pool=(k_cache, v_cache, meta.slot_mapping),
+                                            coded=dec.coded, pages=(k_cache, v_cache))
     k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
@@ -119,7 +122,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         p = meta.num_prefill_tokens
         if lib is not None:
             out[p:] = cpu_kernels.decode_attention(lib, q[p:], k[p:], v[p:], kv.mirror_k, kv.mirror_v, dec.slots,
-                                                   dec.write_pos, dec.max_len, scale)
+                                                   dec.write_pos, dec.max_len, scale, coded=dec.coded,
+                                                   pages=(k_cache, v_cache))
             return out
         kv.mirror_k[dec.slots, :, dec.write_pos] = k[p:]
         kv.mirror_v[dec.slots, :, dec.write_pos] = v[p:]
@@ -131,7 +135,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         mask = dec.additive_mask(q.dtype) if dec.layer_masks is None else dec.layer_masks[kv.index]
         # one query per sequence: a KV head's query heads attend as that head's rows (no GQA expansion of K/V)
         qg = q[p:].view(b, kvh, q.shape[1] // kvh, d)
-        o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=mask, scale=scale)
+        if dec.coded is None:
+            o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=mask, scale=scale)
+        else:
+            o = attend_torch(qg, kd, vd, mask, dec.coded, k_cache, v_cache, kv.index, scale)
         out[p:] = o.view(b, q.shape[1], d)
     return out
 

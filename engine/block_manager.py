@@ -20,6 +20,12 @@ free: when KV needs a block and none is free, the lender's ``reclaim`` hands bac
 blocks first, before a prefix-cached block is evicted (cached features are cheaper to lose than prefix KV: one
 tower call against a prefill).
 
+Blocks can also be lent as **pages** of coded visual KV (:meth:`lend_pages`, :mod:`engine.coded_kv`): a decode
+engine keeps a received prompt's image blocks coded in them, and the sequence's block table holds ``-1`` at those
+blocks. Pages are not reclaimable (live KV), are shared by an ``n > 1`` request's choices (the
+:class:`~engine.coded_kv.CodedKV` counts its holders) and go back when the last holder is freed. Lent blocks and
+pages together -- the elastic region -- never take the pool's last ``visual_floor`` blocks (the static text region).
+
 Hybrid models (GDN layers) also need a per-sequence state slot (:class:`engine.state_cache.StateSlots`, given with
 ``num_state_slots``): :meth:`can_allocate` and :meth:`append_slots` grant a sequence's first blocks only together
 with a slot, and :meth:`free` releases both, so one admission rule covers both kinds of cache. Their prefix cache
@@ -35,6 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.coded_kv import CodedKV
 from engine.sequence import Sequence
 from engine.state_cache import Snapshots, StateSlots
 
@@ -67,8 +74,8 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_state_slots: int = 0, on_evict: Callable[[bytes], None] | None = None,
                  num_snapshots: int = 0, snapshot_every_blocks: int = 0,
-                 on_snapshot_drop: Callable[[bytes], None] | None = None) -> None:
-        """Hybrid models: ``num_state_slots`` sequences' slots, and ``num_snapshots`` snapshot slots after them (the
+                 on_snapshot_drop: Callable[[bytes], None] | None = None, visual_floor: int = 0) -> None:
+        """``visual_floor``: blocks lending (cached features, coded pages) leaves to the plain KV. Hybrid models: ``num_state_slots`` sequences' slots, and ``num_snapshots`` snapshot slots after them (the
         state cache's rows ``num_state_slots ..``); without snapshots a hybrid model has no prefix cache."""
         assert num_blocks > 0 and block_size > 0
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
@@ -86,6 +93,8 @@ class BlockManager:
         # others what it no longer holds (the prefill worker tells the front-end's router; engine.hooks.EngineHooks)
         self.on_evict = on_evict
         self.num_lent = 0  # blocks lent out (lend), not in unreferenced
+        self.num_pages = 0  # blocks lent as coded pages (lend_pages), not in unreferenced either
+        self.visual_floor = min(visual_floor, num_blocks)
         # the borrower's: give back at least one lent block (its least recently used entry's, via give_back);
         # False when it holds none
         self.reclaim: Callable[[], bool] | None = None
@@ -101,12 +110,62 @@ class BlockManager:
 
     def lend(self, n: int) -> list[int] | None:
         """Take ``n`` blocks out for a borrower's own data (free ones first, then the least recently used prefix
-        blocks, evicted; never other lent blocks): None, nothing taken, when fewer are at hand."""
-        if n > len(self.unreferenced):
+        blocks, evicted; never other lent blocks): None, nothing taken, when fewer are at hand or the elastic region
+        would take the floor."""
+        if n > len(self.unreferenced) or not self._elastic_room(n):
             return None
         out = [self._pop_unreferenced() for _ in range(n)]
         self.num_lent += n
         return out
+
+    def _elastic_room(self, n: int) -> bool:
+        return self.num_lent + self.num_pages + n <= self.num_blocks - self.visual_floor
+
+    def lend_pages(self, n: int) -> list[int] | None:
+        """Take ``n`` blocks as coded-KV pages (free ones, then cached features given back, then evicted prefix
+        blocks): None, nothing taken, when the pool cannot give them now."""
+        if not self._elastic_room(n) or n > self.num_free_blocks:
+            return None
+        out = []
+        for _ in range(n):
+            self._reclaim_for_one()
+            out.append(self._pop_unreferenced())
+        self.num_pages += n
+        return out
+
+    def _release_coded(self, coded: CodedKV) -> None:
+        coded.refs -= 1
+        if coded.refs == 0:
+            for bid in coded.pages:
+                self.unreferenced[bid] = None
+                self.unreferenced.move_to_end(bid, last=False)
+            self.num_pages -= len(coded.pages)
+            coded.pages = []
+
+    def allocate_received(self, seq: Sequence, coded: CodedKV | None, num_tokens: int, num_pages: int) -> bool:
+        """Blocks for a received prompt of ``num_tokens`` (``seq`` holds none yet): plain blocks except at
+        ``coded.blocks`` (``-1`` in the table), whose tokens go into ``num_pages`` new pages. False, nothing taken,
+        when the pool cannot hold it now."""
+        total = -(-num_tokens // self.block_size)
+        skip = set() if coded is None else set(coded.blocks.tolist())
+        plain = total - len(skip)
+        if plain + num_pages > self.num_free_blocks or not self._has_state_slot(seq) \
+                or (num_pages and not self._elastic_room(num_pages)):
+            return False
+        if coded is not None:
+            pages = self.lend_pages(num_pages)
+            assert pages is not None, "checked above"
+            coded.pages = pages
+            seq.coded = coded
+        if self.state_slots is not None and seq.state_slot is None:
+            seq.state_slot = self.state_slots.take()
+        for i in range(total):
+            if i in skip:
+                seq.block_table.append(-1)
+            else:
+                ok = self._take_one(seq)
+                assert ok, "checked above"
+        return True
 
     def give_back(self, blocks: list[int]) -> None:
         """Return lent blocks; they are free again."""
@@ -217,8 +276,12 @@ class BlockManager:
         assert not child.block_table and num_tokens <= len(parent.block_table) * self.block_size
         full = num_tokens // self.block_size
         for bid in parent.block_table[:full]:
-            self.blocks[bid].ref_count += 1
+            if bid >= 0:  # -1: a coded block (its pages are shared whole, below)
+                self.blocks[bid].ref_count += 1
             child.block_table.append(bid)
+        if parent.coded is not None:
+            parent.coded.refs += 1
+            child.coded = parent.coded
         child.num_computed_tokens = num_tokens
         child.num_registered_blocks = min(parent.num_registered_blocks, full)
         if self.state_slots is not None:  # the caller copies the parent's state into it (ModelRunner.copy_state)
@@ -229,13 +292,18 @@ class BlockManager:
         assert ok, "can_fork promised the block"
         return parent.block_table[full], child.block_table[-1]
 
-    def _take_one(self, seq: Sequence) -> bool:
-        """Append one block to ``seq``'s table (False, nothing changed, when none is free): a free block, else one
-        the vision cache gives back, else the least recently used prefix block."""
+    def _reclaim_for_one(self) -> None:
+        """Make a free block the next one handed out where the vision cache can give one back (before a prefix
+        block is evicted)."""
         while self.num_lent and self.reclaim is not None and (
                 not self.unreferenced or self.blocks[next(iter(self.unreferenced))].hash is not None):
             if not self.reclaim():
                 break
+
+    def _take_one(self, seq: Sequence) -> bool:
+        """Append one block to ``seq``'s table (False, nothing changed, when none is free): a free block, else one
+        the vision cache gives back, else the least recently used prefix block."""
+        self._reclaim_for_one()
         if not self.unreferenced:
             return False
         bid = self._pop_unreferenced()
@@ -281,6 +349,8 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks (tail first, so a prefix's head stays cached longest)."""
         for bid in reversed(seq.block_table):
+            if bid < 0:
+                continue
             block = self.blocks[bid]
             assert block.ref_count > 0, f"double free of block {bid}"
             block.ref_count -= 1
@@ -289,6 +359,9 @@ class BlockManager:
                 if block.hash is None:
                     self.unreferenced.move_to_end(bid, last=False)
         seq.block_table = []
+        if seq.coded is not None:
+            self._release_coded(seq.coded)
+            seq.coded = None
         if seq.state_restore is not None:
             self.snapshots.unpin(seq.state_restore)
             seq.state_restore = None
@@ -301,11 +374,19 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
+    def regions(self, block_bytes: int) -> dict[str, int]:
+        """Bytes of the pool's regions now (:class:`engine.kv_budget.KVMemory`'s fields): blocks sequences hold,
+        coded visual pages, and the floor the elastic region leaves to the text KV."""
+        held = self.num_blocks - len(self.unreferenced) - self.num_lent - self.num_pages
+        return {"text_kv_bytes": held * block_bytes, "visual_kv_bytes": self.num_pages * block_bytes,
+                "floor_bytes": self.visual_floor * block_bytes}
+
     def check_no_leaks(self) -> None:
         """Assert every block is free or cached with zero references (call when no request is live)."""
         held = [b.block_id for b in self.blocks if b.ref_count != 0]
         assert not held, f"{len(held)} KV block(s) still referenced: {held[:8]}"
-        assert len(self.unreferenced) + self.num_lent == len(self.blocks), "unreferenced queue out of sync"
+        assert len(self.unreferenced) + self.num_lent + self.num_pages == len(self.blocks), \
+            "unreferenced queue out of sync"
         if self.state_slots is not None:
             self.state_slots.check_no_leaks()
         if self.snapshots is not None:

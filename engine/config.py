@@ -156,6 +156,7 @@ def parse_text_config(t: dict) -> TextConfig:
     return model_family(t.get("model_type"), text=True).parse_text_config(t)
 
 
+VISUAL_KV_MODES = ("plain", "int8")  # engine.coded_kv.MODES
 VISION_CACHE_SHARE = 0.1  # of kv_cache_memory_gb, for the vision cache unless vision_cache_mb is set
 
 
@@ -202,6 +203,12 @@ class EngineConfig:
     # refused: an engine whose prompts arrive with their images encoded elsewhere (a cluster's decode workers:
     # cluster.control.spec.ClusterSpec.engine_config)
     vision_tower: bool = True
+    # how a received prompt's image blocks are kept (engine.coded_kv): "plain" in the model dtype, or "int8" coded
+    # pages lent from the pool (about 2/7 of the memory at float32, 2/3 at 16-bit; decode attention reads the codes)
+    visual_kv_cache: str = "plain"
+    # share of the pool's blocks the elastic region (cached image features, coded visual pages) never takes: the
+    # static text region's floor
+    text_kv_floor: float = 0.1
     scheduling_policy: str = "fcfs"  # admission order: "fcfs" or "shortest" (engine.scheduler)
     scheduling_max_wait_s: float = 10.0  # "shortest": a prompt waiting this long goes first
     seed: int = 0
@@ -229,6 +236,11 @@ class EngineConfig:
             raise ValueError("vision_cache_mb must be >= 0 (or None)")
         if self.decode_mirror_tokens is not None and self.decode_mirror_tokens < 1:
             raise ValueError("decode_mirror_tokens must be >= 1 (or None)")
+        if self.visual_kv_cache not in VISUAL_KV_MODES:
+            raise ValueError(f"visual_kv_cache must be one of {list(VISUAL_KV_MODES)}, got {self.visual_kv_cache!r}")
+        if isinstance(self.text_kv_floor, bool) or not isinstance(self.text_kv_floor, (int, float)) \
+                or not 0 <= self.text_kv_floor <= 1:
+            raise ValueError(f"text_kv_floor must be a number in [0, 1], got {self.text_kv_floor!r}")
         if self.cpu_linear not in ("auto", "packed", "native"):
             raise ValueError(f"cpu_linear must be 'auto', 'packed' or 'native', got {self.cpu_linear!r}")
         if self.scheduling_policy not in POLICIES:

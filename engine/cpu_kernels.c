@@ -10,6 +10,9 @@
 #include <stdlib.h>
 
 #include "cpu_kernels.h"
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* Holds values in vector registers: without it the compiler reloads each weight vector from memory for every row
    (a memory operand per multiply), and at four rows the loads, not memory, set the pace. */
@@ -506,18 +509,145 @@ SCORES(8)
 WEIGH(4)
 WEIGH(8)
 
+/* VW uint8 codes as floats. The intrinsics: GCC turns __builtin_convertvector of a byte vector into a scalar
+   convert per byte (5x slower attention over coded pages than over float keys, where these take one or two). */
+static inline vec load_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    const __m128i c = _mm_loadu_si128((const __m128i *)p);
+    const __m256 f[2] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c, 8)))};
+#else
+    float f[VW];
+    for (int i = 0; i < VW; i++) f[i] = p[i];
+#endif
+    vec v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+
+/* Coded visual pages (engine.coded_kv): a page holds up to PG tokens of one sequence in one pool block's memory,
+   per layer. K page: min [KVH, D], scale [KVH, D] (float32, per channel over the page's tokens), codes uint8
+   [KVH, PG, D]; V page: min [KVH, PG], scale [KVH, PG] (per token and head), codes [KVH, PG, D]; a value is
+   min + scale * code. Scores need no dequantized keys: q . k_t = q . min + (q * scale) . code_t, and values
+   sum_t p_t v_t = sum_t p_t min_t + sum_t (p_t scale_t) code_t. A KV head's codes are turned into floats once
+   per chunk of CHUNK tokens (in L1) and read by every query head of its group with the plain kernels. */
+#define PAGE_MAX_D 256
+#define CHUNK 64
+#define MAX_GROUP 64 /* query heads per KV head */
+
+/* dst [n, D] floats = codes [n, D] (uint8). */
+static void codes_to_float(const uint8_t *codes, int64_t n, int64_t D, float *dst) {
+    const int64_t m = n * D, mv = m & ~(int64_t)(VW - 1);
+    for (int64_t i = 0; i < mv; i += VW) {
+        const vec f = load_u8(codes + i);
+        memcpy(dst + i, &f, sizeof f);
+    }
+    for (int64_t i = mv; i < m; i++) dst[i] = codes[i];
+}
+
+/* sc[i] = qs . c[i] + base for i < n (c: n rows of D floats); returns the largest. */
+static float chunk_scores(const float *qs, const float *c, int64_t n, int64_t D, float base, float *sc) {
+    float mx;
+    if (D == 64) mx = scores_4(qs, c, n, 1.f, sc);
+    else if (D == 128) mx = scores_8(qs, c, n, 1.f, sc);
+    else {
+        const int64_t dv = D & ~(int64_t)(VW - 1);
+        mx = -INFINITY;
+        for (int64_t i = 0; i < n; i++) {
+            vec acc = (vec){0};
+            for (int64_t k = 0; k < dv; k += VW) acc += load(qs + k) * load(c + i * D + k);
+            float s = hsum(acc);
+            for (int64_t k = dv; k < D; k++) s += qs[k] * c[i * D + k];
+            sc[i] = s;
+            if (s > mx) mx = s;
+        }
+    }
+    for (int64_t i = 0; i < n; i++) sc[i] += base;
+    return mx + base;
+}
+
+/* oh [D] += sum over i < n of w[i] * c[i] (c: n rows of D floats). */
+static void chunk_values(const float *w, const float *c, int64_t n, int64_t D, float *oh) {
+    const int64_t dv = D & ~(int64_t)(VW - 1);
+    for (int64_t k = 0; k < dv; k += VW) {
+        vec acc = load(oh + k);
+        for (int64_t i = 0; i < n; i++) acc += splat(w[i]) * load(c + i * D + k);
+        memcpy(oh + k, &acc, sizeof acc);
+    }
+    for (int64_t k = dv; k < D; k++)
+        for (int64_t i = 0; i < n; i++) oh[k] += w[i] * c[i * D + k];
+}
+
+/* Scores of query heads qh[g] (g < G) over KV head j's coded pages p0 .. p1 - 1 into sc[g] + 0 ..; mx[g] is raised
+   to their largest. */
+static void coded_scores(const float *const *qh, int64_t G, float scale, const float *page_k, int64_t page_floats,
+                         const int64_t *pblk, const int64_t *pn, int64_t p0, int64_t p1, int64_t KVH, int64_t j,
+                         int64_t D, int64_t PG, float *const *sc, float *mx) {
+    float cf[CHUNK * PAGE_MAX_D], qs[MAX_GROUP][PAGE_MAX_D], base[MAX_GROUP];
+    int64_t off = 0;
+    for (int64_t p = p0; p < p1; p++) {
+        const uint8_t *kp = (const uint8_t *)(page_k + pblk[p] * page_floats);
+        const float *mn = (const float *)kp + j * D, *sk = (const float *)kp + KVH * D + j * D;
+        const uint8_t *codes = kp + 8 * KVH * D + j * PG * D;
+        for (int64_t g = 0; g < G; g++) {
+            float b = 0.f;
+            for (int64_t c = 0; c < D; c++) { qs[g][c] = qh[g][c] * sk[c] * scale; b += qh[g][c] * mn[c]; }
+            base[g] = b * scale;
+        }
+        for (int64_t t = 0; t < pn[p]; t += CHUNK) {
+            const int64_t n = pn[p] - t < CHUNK ? pn[p] - t : CHUNK;
+            codes_to_float(codes + t * D, n, D, cf);
+            for (int64_t g = 0; g < G; g++) {
+                const float m = chunk_scores(qs[g], cf, n, D, base[g], sc[g] + off + t);
+                if (m > mx[g]) mx[g] = m;
+            }
+        }
+        off += pn[p];
+    }
+}
+
+/* oh[g] += softmax weights p[g] (scaled by inv[g]) times KV head j's coded values of pages p0 .. p1 - 1. */
+static void coded_values(const float *const *p, const float *inv, int64_t G, const float *page_v, int64_t page_floats,
+                         const int64_t *pblk, const int64_t *pn, int64_t p0, int64_t p1, int64_t KVH, int64_t j,
+                         int64_t D, int64_t PG, float *const *oh) {
+    float cf[CHUNK * PAGE_MAX_D], w[CHUNK];
+    int64_t off = 0;
+    for (int64_t q = p0; q < p1; q++) {
+        const uint8_t *vp = (const uint8_t *)(page_v + pblk[q] * page_floats);
+        const float *mn = (const float *)vp + j * PG, *sv = (const float *)vp + KVH * PG + j * PG;
+        const uint8_t *codes = vp + 8 * KVH * PG + j * PG * D;
+        for (int64_t t = 0; t < pn[q]; t += CHUNK) {
+            const int64_t n = pn[q] - t < CHUNK ? pn[q] - t : CHUNK;
+            codes_to_float(codes + t * D, n, D, cf);
+            for (int64_t g = 0; g < G; g++) {
+                const float *pg = p[g] + off + t;
+                float b = 0.f;
+                for (int64_t i = 0; i < n; i++) { const float x = pg[i] * inv[g]; w[i] = x * sv[t + i]; b += x * mn[t + i]; }
+                chunk_values(w, cf, n, D, oh[g]);
+                for (int64_t c = 0; c < D; c++) oh[g][c] += b;
+            }
+        }
+        off += pn[q];
+    }
+}
+
 /* Decode attention, one query token per sequence. For each b < B: its keys and values k_new[b], v_new[b]
    [KVH, D] (rows ldk / ldv floats apart) are written at position pos[b] of mirror row slots[b] (mirror_k / mirror_v [S, KVH, cap, D]) and, when
    pool_k is not NULL, at pool slot pool_slots[b] of the paged pool (pool_k / pool_v [*, KVH, D]); then each query
    head h of q [B, H, D] (rows ldq floats apart) attends over that row's positions 0..pos[b] (its KV head is h / (H / KVH)), softmax in
-   float32 with the running max subtracted. out [B, H, D]. scratch: B * H * lds floats (the scores; lds >= every
-   pos[b] + 1). With OpenMP
+   float32 with the running max subtracted. out [B, H, D]. With poff (else NULL), row b also attends over its coded
+   pages poff[b] .. poff[b + 1] - 1 (coded_scores): page p holds pn[p] tokens in pool block pblk[p] of page_k /
+   page_v (the layer's pool, page_floats floats a block; PG tokens a page at most; D <= PAGE_MAX_D, H / KVH <= MAX_GROUP), one softmax
+   over both. scratch: B * H * lds floats (the scores; lds >= every pos[b] + 1 plus its coded tokens). With OpenMP
    the (sequence, KV head) pairs are shared among the threads when the step reads enough keys to pay for it. */
 void duet_decode_attention_f32(const float *q, int64_t ldq, const float *k_new, int64_t ldk, const float *v_new,
                                int64_t ldv, float *mirror_k, float *mirror_v, const int64_t *slots,
                                const int64_t *pos, float *pool_k, float *pool_v, const int64_t *pool_slots, int64_t B,
                                int64_t H, int64_t KVH, int64_t D, int64_t cap, float scale, float *scratch,
-                               int64_t lds, float *out) {
+                               int64_t lds, float *out, const float *page_k, const float *page_v, int64_t page_floats,
+                               int64_t PG, const int64_t *poff, const int64_t *pblk, const int64_t *pn) {
     const int64_t G = H / KVH, dv = D & ~(int64_t)(VW - 1);
     int64_t keys = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -531,6 +661,8 @@ void duet_decode_attention_f32(const float *q, int64_t ldq, const float *k_new, 
             memcpy(pool_v + pool_slots[b] * KVH * D, v_new + b * ldv, KVH * D * sizeof(float));
         }
         keys += pos[b] + 1;
+        if (poff)
+            for (int64_t p = poff[b]; p < poff[b + 1]; p++) keys += pn[p];
     }
 #ifdef _OPENMP
     const int par = B * KVH > 1 && keys * KVH * D >= PAR_MIN && omp_get_max_threads() > 1;
@@ -539,34 +671,52 @@ void duet_decode_attention_f32(const float *q, int64_t ldq, const float *k_new, 
     for (int64_t bj = 0; bj < B * KVH; bj++) {
         const int64_t b = bj / KVH, j = bj % KVH, L = pos[b] + 1;
         const float *kb = mirror_k + (slots[b] * KVH + j) * cap * D, *vb = mirror_v + (slots[b] * KVH + j) * cap * D;
+        const float *qh[MAX_GROUP];
+        float *sc[MAX_GROUP], *oh[MAX_GROUP], mx[MAX_GROUP], inv[MAX_GROUP];
+        int64_t nc = 0;
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = j * G + g;
-            const float *qh = q + b * ldq + h * D;
-            float *sc = scratch + (b * H + h) * lds, *oh = out + (b * H + h) * D;
-            float mx = -INFINITY;
-            if (D == 64) mx = scores_4(qh, kb, L, scale, sc);
-            else if (D == 128) mx = scores_8(qh, kb, L, scale, sc);
-            else for (int64_t i = 0; i < L; i++) {
-                const float *ki = kb + i * D;
-                vec acc = (vec){0};
-                for (int64_t c = 0; c < dv; c += VW) acc += load(qh + c) * load(ki + c);
-                float s = hsum(acc);
-                for (int64_t c = dv; c < D; c++) s += qh[c] * ki[c];
-                s *= scale;
-                sc[i] = s;
-                if (s > mx) mx = s;
-            }
-            float sum = softmax_exp(sc, L, mx);
-            const float inv = 1.f / sum;
-            if (D == 64) weigh_values_4(sc, L, vb, inv, oh);
-            else if (D == 128) weigh_values_8(sc, L, vb, inv, oh);
+            qh[g] = q + b * ldq + h * D;
+            sc[g] = scratch + (b * H + h) * lds;
+            oh[g] = out + (b * H + h) * D;
+            if (D == 64) mx[g] = scores_4(qh[g], kb, L, scale, sc[g]);
+            else if (D == 128) mx[g] = scores_8(qh[g], kb, L, scale, sc[g]);
             else {
-                for (int64_t c = 0; c < D; c++) oh[c] = 0.f;
+                mx[g] = -INFINITY;
                 for (int64_t i = 0; i < L; i++) {
-                    const float p = sc[i] * inv, *vi = vb + i * D;
-                    for (int64_t c = 0; c < D; c++) oh[c] += p * vi[c];
+                    const float *ki = kb + i * D;
+                    vec acc = (vec){0};
+                    for (int64_t c = 0; c < dv; c += VW) acc += load(qh[g] + c) * load(ki + c);
+                    float s = hsum(acc);
+                    for (int64_t c = dv; c < D; c++) s += qh[g][c] * ki[c];
+                    s *= scale;
+                    sc[g][i] = s;
+                    if (s > mx[g]) mx[g] = s;
                 }
             }
+        }
+        if (poff) {
+            float *csc[MAX_GROUP];
+            for (int64_t g = 0; g < G; g++) csc[g] = sc[g] + L;
+            coded_scores(qh, G, scale, page_k, page_floats, pblk, pn, poff[b], poff[b + 1], KVH, j, D, PG, csc, mx);
+            for (int64_t p = poff[b]; p < poff[b + 1]; p++) nc += pn[p];
+        }
+        for (int64_t g = 0; g < G; g++) {
+            inv[g] = 1.f / softmax_exp(sc[g], L + nc, mx[g]);
+            if (D == 64) weigh_values_4(sc[g], L, vb, inv[g], oh[g]);
+            else if (D == 128) weigh_values_8(sc[g], L, vb, inv[g], oh[g]);
+            else {
+                for (int64_t c = 0; c < D; c++) oh[g][c] = 0.f;
+                for (int64_t i = 0; i < L; i++) {
+                    const float p = sc[g][i] * inv[g], *vi = vb + i * D;
+                    for (int64_t c = 0; c < D; c++) oh[g][c] += p * vi[c];
+                }
+            }
+        }
+        if (poff) {
+            const float *csc[MAX_GROUP];
+            for (int64_t g = 0; g < G; g++) csc[g] = sc[g] + L;
+            coded_values(csc, inv, G, page_v, page_floats, pblk, pn, poff[b], poff[b + 1], KVH, j, D, PG, oh);
         }
     }
 }
@@ -604,7 +754,8 @@ void duet_moe_route_f32(const float *x, int64_t T, int64_t H, const float *gate,
 /* One decoder layer (pre-norm attention, then a SwiGLU MLP or routed experts) for a decode step of B sequences, one
    token each, in one call: the step's per-op overhead at a few rows is larger than the layer's arithmetic.
      h = rmsnorm(x) ln1; [q k v] = h Wqkv^T (+ bqkv); q, k per-head norm (qk_norm, may be NULL) and rotary;
-     k, v into the mirror (and the paged pool); attention as duet_decode_attention_f32; x2 = x + attn Wo^T (+ bo);
+     k, v into the mirror (and the paged pool); attention as duet_decode_attention_f32 (with its coded pages, in
+     the pool, when poff is not NULL); x2 = x + attn Wo^T (+ bo);
      y = x2 + mlp(rmsnorm(x2) ln2), where mlp is E routed experts (top-k of softmax(h2 gate^T), renormalized when
      norm_topk; counts += picks) or, E = 0, one SwiGLU MLP (gate_up [2I, H], down [H, I]); panel: those weights
      in panels (duet_moe_silu_f32).
@@ -624,7 +775,9 @@ void duet_decode_layer_f32(const float *x, int64_t B, int64_t H, float eps, cons
                            float *mirror_v, const int64_t *slots, const int64_t *pos, int64_t cap, int64_t lds,
                            float *pool_k, float *pool_v, const int64_t *pool_slots, const float *wo, const float *bo,
                            int64_t E, int64_t k, int norm_topk, const float *gate, const float *gate_up,
-                           const float *down, int64_t I, int panel, int64_t *counts, float *fs, int64_t *is, float *y) {
+                           const float *down, int64_t I, int panel, int64_t *counts, float *fs, int64_t *is, float *y,
+                           int64_t page_floats, int64_t PG, const int64_t *poff, const int64_t *pblk,
+                           const int64_t *pn) {
     const int64_t NQKV = (NH + 2 * KVH) * D;
     float *h = fs, *x2 = h + B * H, *h2 = x2 + B * H, *m = h2 + B * H, *qkv = m + B * H, *att = qkv + B * NQKV;
     float *sc = att + B * NH * D, *logits = sc + B * NH * lds, *wts = logits + B * E;
@@ -633,7 +786,8 @@ void duet_decode_layer_f32(const float *x, int64_t B, int64_t H, float eps, cons
     duet_linear_f32(h, B, H, wqkv, NQKV, bqkv, qkv);
     norm_rope(qkv, B, NQKV, NH + KVH, D, qk_norm, eps, cos_t, sin_t);
     duet_decode_attention_f32(qkv, NQKV, qkv + NH * D, NQKV, qkv + (NH + KVH) * D, NQKV, mirror_k, mirror_v, slots,
-                              pos, pool_k, pool_v, pool_slots, B, NH, KVH, D, cap, scale, sc, lds, att);
+                              pos, pool_k, pool_v, pool_slots, B, NH, KVH, D, cap, scale, sc, lds, att, pool_k, pool_v,
+                              page_floats, PG, poff, pblk, pn);
     duet_linear_f32(att, B, NH * D, wo, H, bo, m);
     duet_add_rms_norm_f32(x, m, B, H, ln2, eps, x2, h2);
     if (E) {

@@ -28,8 +28,11 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from engine.cpu_attention import ATTENTION_MAX_HEAD_DIM, prefill_attention, prefill_attention_fits  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +142,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.duet_norm_rope_f32.argtypes = [_p, _i, _i, _i, _p, ctypes.c_float, _p, _p]
     lib.duet_norm_rope_f32.restype = None
     lib.duet_decode_attention_f32.argtypes = [_p, _i, _p, _i, _p, _i, _p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i,
-                                              _i, ctypes.c_float, _p, _i, _p]
+                                              _i, ctypes.c_float, _p, _i, _p, _p, _p, _i, _i, _p, _p, _p]
     lib.duet_decode_layer_scratch.argtypes = [_i] * 9
     lib.duet_decode_layer_scratch.restype = _i
     lib.duet_decode_layer_f32.argtypes = [_p, _i, _i, ctypes.c_float, _p, _p, _p, _p, _i, _i, _i, _p,
                                           ctypes.c_float, _p, _p, _p, _p, _p, _p, _i, _i, _p, _p, _p, _p, _p,
-                                          _i, _i, ctypes.c_int, _p, _p, _p, _i, ctypes.c_int, _p, _p, _p, _p]
+                                          _i, _i, ctypes.c_int, _p, _p, _p, _i, ctypes.c_int, _p, _p, _p, _p,
+                                          _i, _i, _p, _p, _p]
     lib.duet_decode_layer_f32.restype = None
     lib.duet_decode_attention_f32.restype = None
     lib.duet_moe_route_f32.argtypes = [_p, _i, _i, _p, _i, _i, ctypes.c_int, _p, _p, _p, _p]
@@ -276,26 +280,38 @@ def norm_rope(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | None, ep
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mirror_k: torch.Tensor,
                      mirror_v: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, max_len: int, scale: float,
-                     pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, coded: Any = None,
+                     pages: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query per sequence: write k, v [B, KVH, D] at ``pos`` [B] of mirror rows ``slots`` [B] (int64; the
     mirror [S, KVH, cap, D]) and, with ``pool`` = (k_pool, v_pool, pool slots [B]), into the paged pool; then q
-    [B, H, D] attends over positions 0..pos of its row (``max_len`` > every pos). Float32; q, k and v may be row slices of wider rows (each
-    token's heads contiguous), the rest contiguous; the caller guarantees the slots and positions are in range (the
-    model runner built them). Returns [B, H, D] contiguous."""
+    [B, H, D] attends over positions 0..pos of its row (``max_len`` > every pos) and, with ``coded``
+    (:class:`engine.coded_kv.CodedRows`), over each row's coded pages in ``pages`` (the layer's pool k, v).
+    Float32; q, k and v may be row slices of wider rows (each token's heads contiguous), the rest contiguous; the
+    caller guarantees the slots and positions are in range (the model runner built them). Returns [B, H, D]."""
     b, h, d = q.shape
     s, kvh, cap, _ = mirror_k.shape
     for t, n in ((q, h), (k, kvh), (v, kvh)):
         if t.stride()[1:] != (d, 1) or t.shape != (b, n, d):
             raise ValueError(f"decode_attention: a [{b}, {n}, {d}] operand has shape {tuple(t.shape)}, strides "
                              f"{t.stride()}")
-    lds = max(max_len, 1)
+    lds = max(max_len, 1, 0 if coded is None else coded.max_keys)
     scratch = torch.empty(b * h * lds, dtype=torch.float32)
     out = torch.empty_like(q)
     pk, pv, ps = (None, None, None) if pool is None else (pool[0].data_ptr(), pool[1].data_ptr(), pool[2].data_ptr())
     lib.duet_decode_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                   mirror_k.data_ptr(), mirror_v.data_ptr(), slots.data_ptr(), pos.data_ptr(), pk, pv,
-                                  ps, b, h, kvh, d, cap, scale, scratch.data_ptr(), lds, out.data_ptr())
+                                  ps, b, h, kvh, d, cap, scale, scratch.data_ptr(), lds, out.data_ptr(),
+                                  *_page_args(coded, pages))
     return out
+
+
+def _page_args(coded: Any, pages: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:
+    """The kernels' coded-page arguments (page_k, page_v, floats a block, page capacity, offsets, blocks, counts)."""
+    if coded is None:
+        return None, None, 0, 0, None, None, None
+    assert pages is not None and pages[0].dtype == torch.float32 and coded.head_dim <= 256, "coded pages: f32 pool"
+    return (pages[0].data_ptr(), pages[1].data_ptr(), pages[0][0].numel(), coded.capacity, coded.off.data_ptr(),
+            coded.blk.data_ptr(), coded.n.data_ptr())
 
 
 def moe_route(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, k: int, norm: bool,
@@ -333,12 +349,13 @@ def decode_layer(lib: ctypes.CDLL, x: torch.Tensor, *, eps: float, ln1: torch.Te
                  mirror: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, pos: torch.Tensor, max_len: int,
                  pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], wo: torch.Tensor, bo: torch.Tensor | None,
                  gate_up: torch.Tensor, down: torch.Tensor, router: torch.Tensor | None = None, top_k: int = 1,
-                 norm_topk: bool = False, counts: torch.Tensor | None = None, panel: bool = False) -> torch.Tensor:
+                 norm_topk: bool = False, counts: torch.Tensor | None = None, panel: bool = False,
+                 coded: Any = None) -> torch.Tensor:
     """A whole decoder layer for a decode step of x [B, H] (``duet_decode_layer_f32``): returns the layer's output
     [B, H]; the step's keys and values land in ``mirror`` (k, v [S, KVH, cap, D]) rows ``slots`` at ``pos`` and in
     the paged ``pool`` (k, v, flat slots [B]). MoE when ``router`` [E, H] is given (``gate_up`` [E, 2I, H],
     ``down`` [E, H, I], ``counts`` [E] += picks), else one SwiGLU MLP (``gate_up`` [2I, H], ``down`` [H, I]); those
-    two in :func:`panel_pack`'s layout where ``panel``.
+    two in :func:`panel_pack`'s layout where ``panel``; ``coded``: rows' coded pages in ``pool`` (decode_attention).
     Everything float32 and contiguous, slots and positions in range: the caller (:class:`engine.text_model.
     DecoderLayer`) checks what it cannot know by construction."""
     b, h = x.shape
@@ -347,7 +364,7 @@ def decode_layer(lib: ctypes.CDLL, x: torch.Tensor, *, eps: float, ln1: torch.Te
     if e and not 1 <= top_k <= min(e, MAX_TOP_K):
         raise ValueError(f"decode_layer: top-{top_k} of {e} experts")
     i = down.shape[-1]
-    lds = max(max_len, 1)
+    lds = max(max_len, 1, 0 if coded is None else coded.max_keys)
     fs = _scratch("f", lib.duet_decode_layer_scratch(b, h, heads, kv_heads, head_dim, lds, e, kk, i), torch.float32)
     iscr = _scratch("i", 4 * max(e, 1) + 3 * b * kk, torch.int64)
     y = torch.empty_like(x)
@@ -358,43 +375,6 @@ def decode_layer(lib: ctypes.CDLL, x: torch.Tensor, *, eps: float, ln1: torch.Te
         mirror[0].data_ptr(), mirror[1].data_ptr(), slots.data_ptr(), pos.data_ptr(), mirror[0].shape[2], lds,
         pool[0].data_ptr(), pool[1].data_ptr(), pool[2].data_ptr(), wo.data_ptr(), None if bo is None else bo.data_ptr(),
         e, kk, int(norm_topk), None if router is None else router.data_ptr(), gate_up.data_ptr(), down.data_ptr(), i,
-        int(panel), None if counts is None else counts.data_ptr(), fs.data_ptr(), iscr.data_ptr(), y.data_ptr())
+        int(panel), None if counts is None else counts.data_ptr(), fs.data_ptr(), iscr.data_ptr(), y.data_ptr(),
+        *_page_args(coded, pool[:2])[2:])
     return y
-
-
-ATTENTION_MAX_HEAD_DIM = 256  # AD_MAX in cpu_attention.c
-
-
-def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Can :func:`prefill_attention` take these operands as they are (float32 on CPU, each head's D values
-    contiguous and, in q, a token's heads too; head_dim up to :data:`ATTENTION_MAX_HEAD_DIM`, whole query groups)?"""
-    d = q.shape[-1]
-    return (q.dim() == k.dim() == v.dim() == 3 and 0 < d <= ATTENTION_MAX_HEAD_DIM
-            and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0 and k.shape == v.shape and k.shape[2] == d
-            and q.stride()[1:] == (d, 1) and k.stride(2) == 1 and v.stride(2) == 1
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, k, v)))
-
-
-def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
-                      causal: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of q [T, H, D] over k, v [C, KVH, D] (``duet_prefill_attention_f32``; query head h reads KV head
-    h // (H // KVH)). Causal: query i sits at position C - T + i and sees keys 0..C - T + i (a prompt chunk after
-    C - T cached tokens); else every query sees every key. The operands may be row slices of wider rows, and k and
-    v head-major (:func:`prefill_attention_fits`); ``out`` [T, H, D] (each token's heads contiguous) receives the
-    result, else a new tensor. Returns it."""
-    t, h, d = q.shape
-    c, kvh, _ = k.shape
-    if not prefill_attention_fits(q, k, v) or (causal and c < t):
-        raise ValueError(f"prefill_attention: q {tuple(q.shape)} over k {tuple(k.shape)}, v {tuple(v.shape)} "
-                         f"({q.dtype}, {'causal' if causal else 'full'})")
-    if out is None:
-        out = torch.empty(t, h, d, dtype=torch.float32)
-    elif out.shape != q.shape or out.stride()[1:] != (d, 1) or out.dtype != torch.float32:
-        raise ValueError(f"prefill_attention: out {tuple(out.shape)}, strides {out.stride()}")
-    if t == 0:
-        return out
-    kt = torch.empty(lib.duet_prefill_attention_scratch(c, kvh, d), dtype=torch.float32)
-    lib.duet_prefill_attention_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
-                                   v.stride(0), v.stride(1), t, c, h, kvh, d, scale, int(causal), kt.data_ptr(),
-                                   out.data_ptr(), out.stride(0))
-    return out

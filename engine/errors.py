@@ -79,6 +79,12 @@ class PromptTooLongError(InvalidRequestError):
     code = "prompt_too_long"
 
 
+class RequestTooLargeError(PromptTooLongError):
+    """The request's KV (at the precision it would be stored at) exceeds everything this worker's memory budget can
+    ever give it; the message names the bytes. Nothing was reserved."""
+    code = "request_too_large"
+
+
 class TokenOutOfVocabError(InvalidRequestError):
     """A token id is negative or not below the vocabulary size."""
     code = "token_out_of_vocab"

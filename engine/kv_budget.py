@@ -33,13 +33,18 @@ class KVMemory:
     """Cache bytes held by one engine, per kind. ``budget_bytes``: ``kv_cache_memory_gb`` in bytes (None when
     ``num_kv_blocks`` fixed the pool); the mirror's growth past its starting allocation can take ``total_bytes`` over
     it. ``state_bytes``: hybrid models' GDN state slots (0 otherwise). ``vision_cache_bytes``: encoded images kept
-    for reuse (:mod:`engine.vision_cache`), in blocks the pool lends: part of ``pool_bytes``, not more."""
+    for reuse (:mod:`engine.vision_cache`), in blocks the pool lends: part of ``pool_bytes``, not more. The pool's
+    regions now: ``text_kv_bytes`` (blocks sequences hold, plain), ``visual_kv_bytes`` (coded visual pages,
+    :mod:`engine.coded_kv`); with ``vision_cache_bytes`` the elastic region, which never takes ``floor_bytes``."""
 
     pool_bytes: int
     mirror_bytes: int
     budget_bytes: int | None
     state_bytes: int = 0
     vision_cache_bytes: int = 0
+    text_kv_bytes: int = 0
+    visual_kv_bytes: int = 0
+    floor_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -73,13 +78,18 @@ def plan_pool(c: EngineConfig, t: TextConfig, dtype: torch.dtype, num_state_slot
         budget = int(c.kv_cache_memory_gb * 2**30)
         mirror = reserved_bytes(c.max_num_seqs, per_token, mirror_tokens)
         by_memory = max(0, budget - mirror - state) // per_block
-        num_blocks = max(blocks_per_seq, min(by_memory, blocks_per_seq * c.max_num_seqs))
+        # coded image KV (visual_kv_cache int8) admits by the bytes a prompt will be stored at: no floor of one
+        # full-length plain sequence (which could put the pool far over its budget), one block at least
+        floor = blocks_per_seq if c.visual_kv_cache == "plain" else 1
+        num_blocks = max(floor, min(by_memory, blocks_per_seq * c.max_num_seqs))
         if num_blocks * per_block + mirror + state > budget:
             logger.warning("kv_cache_memory_gb=%g holds %d KV blocks after the decode mirror's %.1f MiB; "
                            "allocating %d (one %d-token sequence): %.1f MiB over budget", c.kv_cache_memory_gb,
                            by_memory, mirror / 2**20, num_blocks, max_len,
                            (num_blocks * per_block + mirror + state - budget) / 2**20)
-    return PoolPlan(min(max_len, num_blocks * c.block_size), num_blocks, budget, mirror_tokens)
+    # coded image KV (engine.coded_kv) holds more tokens than the plain blocks: admission checks the bytes instead
+    held = num_blocks * c.block_size if c.visual_kv_cache == "plain" else max_len
+    return PoolPlan(min(max_len, held), num_blocks, budget, mirror_tokens)
 
 
 def state_snapshots(c: EngineConfig, t: TextConfig, dtype: torch.dtype) -> int:

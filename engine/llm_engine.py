@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from engine.admission import check_fits
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, parse_device
 from engine.cpu_tuning import tune_malloc
@@ -30,14 +31,8 @@ from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from engine.receive import ReceiveMixin
 from engine.penalties import apply_penalties
-from engine.sampler import (
-    LogitsProcessor,
-    SampleResult,
-    apply_logits_processors,
-    prompt_token_logprobs,
-    sample,
-    suppress_stop_tokens,
-)
+from engine.sampler import (LogitsProcessor, SampleResult, apply_logits_processors, prompt_token_logprobs, sample,
+                            suppress_stop_tokens)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -80,7 +75,8 @@ class LLMEngine(ReceiveMixin):
                                           num_state_slots=self.num_state_slots, on_evict=hooks.on_evict,
                                           num_snapshots=self.num_snapshots,
                                           snapshot_every_blocks=config.state_snapshot_every_blocks,
-                                          on_snapshot_drop=hooks.on_snapshot_drop)
+                                          on_snapshot_drop=hooks.on_snapshot_drop,
+                                          visual_floor=int(config.text_kv_floor * num_blocks))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    policy=config.scheduling_policy, max_wait_s=config.scheduling_max_wait_s)
@@ -113,7 +109,8 @@ class LLMEngine(ReceiveMixin):
         return KVMemory(pool_bytes=self.runner.pool_nbytes, mirror_bytes=self.runner.mirror.nbytes,
                         budget_bytes=self.kv_budget_bytes,
                         state_bytes=0 if self.runner.state is None else self.runner.state.nbytes,
-                        vision_cache_bytes=self.runner.vision_cache.nbytes)
+                        vision_cache_bytes=self.runner.vision_cache.nbytes, **self.block_manager.regions(
+                            self.runner.kv_bytes_per_token * self.config.block_size))
 
     # ----------------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
@@ -135,6 +132,8 @@ class LLMEngine(ReceiveMixin):
             why = "no vision tower here encodes its pixels" if self.model.vision is None else "its images carry no pixels here"
             raise InvalidRequestError(f"request {request_id!r}: {why}, so its prompt cannot be computed (such a "
                                       "prompt can only be preallocated for a transfer)")
+        check_fits(self.block_manager, self.runner.kv_bytes_per_token * self.config.block_size, seq,
+                   seq.num_tokens + 1)  # computed here: every block plain
         return seq
 
     def add_sequence(self, seq: Sequence) -> None:

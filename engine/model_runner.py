@@ -22,6 +22,7 @@ from engine.attention import (
     causal_mask_with_prefix,
     decode_mask,
 )
+from engine.coded_kv import CodedKV, coded_rows, gather_coded, page_capacity, plain_table, write_pages
 from engine.decode_mirror import DecodeKVMirror
 from engine.layers import RotaryEmbedding
 from engine.model import LlavaModel
@@ -51,6 +52,7 @@ class ModelRunner:
         self.state = (StateCache(t.gdn, len(t.state_layers), num_state_slots, dtype, device)
                       if t.gdn is not None and num_state_slots else None)
         reserve = {} if mirror_tokens is None else {"initial_capacity": mirror_tokens, "initial_slots": max_num_seqs}
+        self.page_capacity = page_capacity(block_size, t.head_dim, torch.empty(0, dtype=dtype).element_size())
         self.mirror = DecodeKVMirror(len(self.pool), max_num_seqs, t.num_kv_heads, t.head_dim, dtype, device,
                                      **reserve)
         self.rope: RotaryEmbedding | MRotaryEmbedding = (
@@ -200,11 +202,11 @@ class ModelRunner:
         if sched.decodes:
             placed, longest = self.mirror.slot_of, 0
             for s in sched.decodes:  # a sequence already placed only needs room for its next token: once below
-                c = s.seq.num_computed_tokens
+                c = s.seq.num_computed_tokens - (s.seq.coded.num_tokens if s.seq.coded else 0)  # its mirror index
                 if s.seq.seq_id in placed:
                     longest = max(longest, c + 1)
                 else:
-                    self.mirror.assign(s.seq.seq_id, c, self.pool, s.seq.block_table, c + 1, s.seq.kv_dropped)
+                    self.mirror.assign(s.seq.seq_id, c, self.pool, plain_table(s.seq), c + 1, s.seq.kv_dropped)
             if longest:
                 self.mirror.ensure_length(longest)
             slot_of = self.mirror.slot_of
@@ -214,7 +216,8 @@ class ModelRunner:
             seqs = [s.seq for s in decodes]
             computed = [q.num_computed_tokens for q in seqs]  # a decode row's position
             ids += [q.token_ids[c] for q, c in zip(seqs, computed, strict=True)]
-            lens = np.array(computed, dtype=np.int64) + 1
+            coded = [q.coded for q in seqs]
+            lens = np.array([c + 1 - (q.num_tokens if q else 0) for c, q in zip(computed, coded, strict=True)])
             slot_ids = np.array([slot_of[q.seq_id] for q in seqs], dtype=np.int64)
             slots.append(np.array([q.block_table[c // bs] * bs + c % bs for q, c in zip(seqs, computed, strict=True)],
                                   dtype=np.int64))
@@ -231,7 +234,7 @@ class ModelRunner:
                 positions.append(np.concatenate([self._positions(s.seq, s.seq.num_computed_tokens, 1)
                                                  for s in decodes], axis=1))
             else:
-                positions.append(lens - 1)
+                positions.append(np.array(computed, dtype=np.int64))
             max_len = int(lens.max())
             lens_t = torch.from_numpy(lens).to(dev)
             dense = bool((slot_ids == np.arange(b)).all())
@@ -240,7 +243,8 @@ class ModelRunner:
             layer_masks = None
             if self.mirror.has_drops(seq_ids):  # else the mask is built only if a layer reads it
                 layer_masks = self.mirror.layer_masks(seq_ids, slots_t, decode_mask(lens_t, max_len, self.dtype))
-            decode = DecodeBatch(slots_t, lens_t - 1, max_len, dense, None, layer_masks)
+            rows = coded_rows(coded, lens.tolist(), self.page_capacity, self.pool[0][0].shape[-1])
+            decode = DecodeBatch(slots_t, lens_t - 1, max_len, dense, None, layer_masks, rows)
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev), prefills=spans,
                                  num_prefill_tokens=num_prefill, decode=decode, query_window=self.query_window)
         if self.state is not None:
@@ -292,10 +296,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ disaggregation: KV export/import, routing hints
     def gather_layer(self, seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of ``seq``'s blocks for ``layer``: two ``[num_blocks, block_size, kv_heads, head_dim]`` tensors."""
+        """Copies of ``seq``'s blocks for ``layer``: two ``[num_blocks, block_size, kv_heads, head_dim]`` tensors
+        (coded blocks dequantized)."""
         table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
         k, v = self.pool[self.kv_index[layer]]
-        return k.index_select(0, table), v.index_select(0, table)
+        if seq.coded is None:
+            return k.index_select(0, table), v.index_select(0, table)
+        return gather_coded(k, v, table, seq.coded, self.page_capacity)
 
     @torch.inference_mode()
     def copy_block(self, src: int, dst: int) -> None:
@@ -312,10 +319,17 @@ class ModelRunner:
                 s.conv[dst].copy_(s.conv[src])
                 s.recurrent[dst].copy_(s.recurrent[src])
 
-    def write_layer(self, block_ids: list[int], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store received blocks (``[len(block_ids), block_size, kv_heads, head_dim]`` each) into the pool."""
-        table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+    def write_layer(self, block_ids: list[int], layer: int, k: torch.Tensor, v: torch.Tensor,
+                    coded: CodedKV | None = None) -> None:
+        """Store received blocks (``[len(block_ids), block_size, kv_heads, head_dim]`` each) into the pool; with
+        ``coded``, its blocks (``-1`` in ``block_ids``) go into its pages, coded."""
         kp, vp = self.pool[self.kv_index[layer]]
+        if coded is not None:
+            write_pages(kp, vp, coded.pages, self.page_capacity, k[coded.blocks].flatten(0, 1),
+                        v[coded.blocks].flatten(0, 1))
+            keep = [i for i, b in enumerate(block_ids) if b >= 0]
+            block_ids, k, v = [block_ids[i] for i in keep], k[keep], v[keep]
+        table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         kp.index_copy_(0, table, k.to(device=kp.device, dtype=kp.dtype))
         vp.index_copy_(0, table, v.to(device=vp.device, dtype=vp.dtype))
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.admission import check_fits, plan_received
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.outputs import RequestOutput, TokenLogprobs
 from engine.sampler import generator_at
@@ -26,18 +27,23 @@ class ReceiveMixin:
     state (``receiving``, ``requests``, ``block_manager``, ``runner``, ``scheduler``) it uses."""
 
     def preallocate(self, request_id: str, prompt: Any, params: SamplingParams | None = None) -> list[int]:
-        """Reserve blocks for a prompt whose KV another worker computes; returns the block ids (in order).
+        """Reserve blocks for a prompt whose KV another worker computes; returns the block ids (in order; ``-1`` at
+        image blocks kept coded, ``visual_kv_cache="int8"``: :mod:`engine.coded_kv`).
 
         The request waits in ``receiving`` (not scheduled) until :meth:`commit_prefilled` or
-        :meth:`release_prefill`. Raises OutOfBlocksError (nothing reserved) when the pool cannot hold the prompt now.
-        ``prompt`` may be a :class:`ProcessedPrompt` (see :meth:`add_request`), with or without pixels.
+        :meth:`release_prefill`. Raises RequestTooLargeError when the pool could never hold it and OutOfBlocksError
+        when it cannot now (nothing reserved either way). ``prompt`` may be a :class:`ProcessedPrompt` (see
+        :meth:`add_request`), with or without pixels.
         """
         seq = self._new_sequence(request_id, prompt, params or SamplingParams())
         # n > 1: room for each other choice's copy of the partial last block too, so the fork rarely runs short
         extra = (seq.params.n - 1) * self.config.block_size if seq.num_tokens % self.config.block_size else 0
-        if not self.block_manager.can_allocate(seq, [], seq.num_tokens + extra):
+        bm = self.block_manager
+        coded, pages = plan_received(self.config.visual_kv_cache, self.runner.page_capacity, seq)
+        check_fits(bm, self.runner.kv_bytes_per_token * bm.block_size, seq, seq.num_tokens + extra, coded, pages)
+        plain = -(-(seq.num_tokens + extra) // bm.block_size) - (len(coded.blocks) if coded is not None else 0)
+        if plain + pages > bm.num_free_blocks or not bm.allocate_received(seq, coded, seq.num_tokens, pages):
             raise OutOfBlocksError(f"{seq.num_tokens}-token prompt does not fit the free KV blocks now")
-        self.block_manager.append_slots(seq, seq.num_tokens)
         seq.status = SequenceStatus.RECEIVING
         self.requests[request_id] = seq
         self.receiving[request_id] = seq
@@ -45,14 +51,20 @@ class ReceiveMixin:
 
     def write_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
                     dropped: torch.Tensor | None = None) -> None:
-        """Store one received layer of a receiving request's KV (``[num_blocks, block_size, kvh, d]`` each).
-        ``dropped``: prompt positions the sender left out of this layer; decoding gives them no attention."""
+        """Store one received layer of a receiving request's KV (``[num_blocks, block_size, kvh, d]`` each, for
+        every block of its table, coded ones included). ``dropped``: prompt positions the sender left out of this
+        layer; decoding gives them no attention."""
         seq = self.receiving[request_id]
-        self.runner.write_layer(seq.block_table, layer, k, v)
+        self.runner.write_layer(seq.block_table, layer, k, v, seq.coded)
         if dropped is not None and dropped.numel():
             if seq.kv_dropped is None:
                 seq.kv_dropped = {}
-            seq.kv_dropped[self.runner.kv_index[layer]] = dropped  # the decode mirror counts KV layers only
+            kv_layer = self.runner.kv_index[layer]  # the decode mirror counts KV layers only
+            if seq.coded is not None:  # coded tokens are masked in their pages, the rest at their mirror index
+                in_pages, plain = seq.coded.split(dropped.cpu().numpy())
+                seq.coded.dropped[kv_layer] = in_pages
+                dropped = torch.from_numpy(plain)
+            seq.kv_dropped[kv_layer] = dropped
 
     def write_state(self, request_id: str, layer: int, tensors: dict[str, torch.Tensor]) -> None:
         """Store one received GDN layer's state of a receiving request (hybrid models; ``layer`` is the decoder
@@ -77,7 +89,7 @@ class ReceiveMixin:
             self.block_manager.free(seq)
             raise InvalidRequestError(f"request {request_id}: {len(choices) + 1} first tokens for n={seq.params.n}")
         seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.kv_lossy = lossy
+        seq.kv_lossy = lossy or seq.coded is not None
         seq.prompt_logprobs = prompt_logprobs
         self.block_manager.register_computed(seq)
         seeded = seq.params.seed is not None

@@ -116,6 +116,7 @@ class Sequence:
     expert_hist: np.ndarray | None = None  # [num_layers, num_experts] routing choices, when the runner tracks them
     kv_lossy: bool = False  # its prompt KV arrived compressed: approximate, never published to the prefix cache
     kv_dropped: dict[int, torch.Tensor] | None = None  # layer -> prompt positions dropped on the wire (decode side)
+    coded: Any = None  # engine.coded_kv.CodedKV: its image blocks kept coded in pages (decode side), else None
     state_slot: int | None = None  # hybrid models: the GDN state slot it holds (engine.state_cache), with its blocks
     # hybrid prefix caching (engine.state_cache.Snapshots): the snapshot its prefix hit restores before its next
     # chunk runs, and the snapshots its next chunk writes, as (prompt position, snapshot slot)

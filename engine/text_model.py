@@ -149,7 +149,7 @@ class DecoderLayer(nn.Module):
         dec = meta.decode
         return cpu_kernels.decode_layer(lib, x, cos=cos, sin_signed=sin, mirror=(kv.mirror_k, kv.mirror_v),
                                         slots=dec.slots, pos=dec.write_pos, max_len=dec.max_len,
-                                        pool=(kv.k, kv.v, meta.slot_mapping), **args)
+                                        pool=(kv.k, kv.v, meta.slot_mapping), coded=dec.coded, **args)
 
     def _bind_one_call(self) -> dict | None:
         """The one-call path's per-layer arguments (weights, shapes), checked once: None where the layer cannot take

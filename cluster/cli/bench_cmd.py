@@ -27,6 +27,7 @@ BENCH_COMMANDS = {
     "chaos": "duet_bench.chaos:run",
     "structured": "duet_bench.structured_bench:run",
     "prefix": "duet_bench.prefix_bench:run",
+    "memory": "duet_bench.memory_bench:run_bench",
 }
 
 
@@ -75,3 +76,6 @@ def add_bench_arguments(b: argparse.ArgumentParser, *, load: bool = True) -> Non
     from duet_bench.prefix_bench import add_arguments as add_prefix_arguments
 
     add_prefix_arguments(bsub.add_parser("prefix", help="Qwen3.5 prefix hit (GDN state snapshots) vs a cold prefill"))
+    from duet_bench.memory_bench import add_arguments as add_memory_arguments
+
+    add_memory_arguments(bsub.add_parser("memory", help="one decode worker's budget: static pool vs coded image KV"))

@@ -29,10 +29,13 @@ class PairTimeout(TimeoutError):
 
 class LocalPair:
     def __init__(self, model_dir: str | Path, config: EngineConfig, *, compression: Any = None,
-                 stream_layers: bool = True, expert_tiers: TierConfig | None = None) -> None:
+                 stream_layers: bool = True, expert_tiers: TierConfig | None = None,
+                 prefill_config: EngineConfig | None = None) -> None:
+        """``config``: both workers' engine settings, or the decode worker's where ``prefill_config`` is given."""
         secret = ClusterSecret.generate()  # the pair's data-plane key, as a cluster's front-end makes one
         self.prefill_manager, self.decode_manager = InprocManager(secret=secret), InprocManager(secret=secret)
-        self.prefill = PrefillWorker(model_dir, config, stream_layers=stream_layers, compression=compression)
+        self.prefill = PrefillWorker(model_dir, prefill_config or config, stream_layers=stream_layers,
+                                     compression=compression)
         self.decode = DecodeWorker(model_dir, config, self.decode_manager, compression=compression,
                                    expert_tiers=expert_tiers)
         e = self.prefill.engine

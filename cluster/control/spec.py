@@ -285,6 +285,9 @@ class ClusterSpec:
         if role == "decode":  # a decode worker never encodes an image (its prompts come prefilled, or are text):
             extra.setdefault("vision_cache_mb", 0)  # no cache of encodings, and its engine neither loads nor tunes
             extra.setdefault("vision_tower", False)  # the tower (its prompts arrive without pixels)
+            # received image KV stays coded in its cache where the policy codes it on the wire (engine.coded_kv)
+            visual = (self.compression_policy() or {}).get("visual") or {}
+            extra.setdefault("visual_kv_cache", "plain" if visual.get("kind", "raw") == "raw" else "int8")
         if role == "prefill":  # a prefill worker never decodes: no staging to reserve
             extra.pop("decode_mirror_tokens", None)
             slice_s = self.vision_slice(local_prefill)

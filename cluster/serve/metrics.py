@@ -269,6 +269,10 @@ _WORKER_GAUGES = (  # stats field, metric, help, roles that report it
     ("vision_cache_bytes", "duet_vision_cache_bytes",
      "Bytes of the encoded images the worker keeps for reuse (bounded by vision_cache_mb)", ("prefill",)),
     ("vision_cache_entries", "duet_vision_cache_entries", "Encoded images the worker keeps for reuse", ("prefill",)),
+    ("kv_text_bytes", "duet_kv_text_bytes", "Bytes of the pool's blocks sequences hold, plain (the static region)",
+     ("prefill", "decode")),
+    ("kv_visual_bytes", "duet_kv_visual_bytes",
+     "Bytes of the pool lent as pages of coded image KV (visual_kv_cache int8; the elastic region)", ("decode",)),
 )
 
 

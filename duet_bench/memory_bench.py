@@ -1,0 +1,249 @@
+"""``duet bench memory --model qwen3-vl-moe``: one decode worker at one memory budget, today's static pool against
+the unified pool that keeps received image KV coded (:mod:`engine.coded_kv`).
+
+Both sides run the real data path in one process (:class:`~cluster.control.local_pair.LocalPair`: prefill worker ->
+codec -> frames -> decode worker), the decode worker at ``--budget-mb`` (``kv_cache_memory_gb``):
+
+* ``static``: ``kv_compression none``, ``visual_kv_cache plain`` -- every token plain in the pool (and again in the
+  decode mirror while it decodes);
+* ``unified``: ``kv_compression default`` (visual int8 on the wire), ``visual_kv_cache int8`` -- the image blocks
+  in coded pages lent from the same pool.
+
+Measured: **concurrent** -- how many one-image ``--side``² requests the decode worker admits at once with room left
+for each one's ``--tokens`` (preallocated until the pool refuses), then *run* at that concurrency through the pair:
+every request must complete with no preemption and no failure; **agreement** -- greedy tokens of ``unified``
+against ``static`` on the same requests; **tpot_ratio** -- unified / static time per output token at the static
+side's concurrency (rounds alternate which runs first; medians); **eight_1024_images** -- one request with eight
+``--side``² images at a budget that fits it (it completes) and at one that does not (refused with the typed
+:class:`~engine.errors.RequestTooLargeError` naming the bytes; nothing reserved). Random weights: agreement is
+pessimistic. Prints a table, writes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from cluster.control.local_pair import LocalPair
+from cluster.report import fmt, format_table, log, write_json
+from duet_bench.kvcodec_measure import agreement
+from duet_bench.machine import cpu_description
+from duet_bench.qwen_bench import QWEN_BENCH_SPEC, QwenPrompts
+from engine import EngineConfig, SamplingParams
+from engine.errors import OutOfBlocksError, RequestTooLargeError
+from kv_transfer.compression import resolve_policy
+
+MODEL_NAME = "bench-qwen3-vl-moe-v1-16k"  # the Qwen bench model with room for eight 1024² images in one prompt
+SPEC = dataclasses.replace(QWEN_BENCH_SPEC, max_position_embeddings=16384)
+DEFAULT_BUDGET_MB, DEFAULT_SIDE, DEFAULT_TOKENS, DEFAULT_ROUNDS = 64, 1024, 16, 2
+MODES = {"static": (None, "plain"), "unified": ("default", "int8")}  # wire policy, decode cache
+PREFILL_BUDGET_GB = 0.5  # the prefill worker's own pool: it computes an eight-image prompt plain
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=("qwen3-vl-moe",), default="qwen3-vl-moe",
+                   help="the Qwen3-VL-MoE bench model (random weights, 16k positions), built once")
+    p.add_argument("--model-dir", default=None, help="a Qwen3-VL-MoE checkpoint instead of the bench model")
+    p.add_argument("--budget-mb", type=float, default=DEFAULT_BUDGET_MB, help="the decode worker's memory budget")
+    p.add_argument("--side", type=int, default=DEFAULT_SIDE, help="square image side in pixels")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="tokens generated per request (greedy)")
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="TPOT rounds per side, alternating")
+    p.add_argument("--json", default="bench_out/memory.json", help="where to write the results")
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    if args.model_dir:
+        return Path(args.model_dir)
+    from cluster.demo import cached_model
+    from duet_testing.qwen_checkpoints import make_tiny_qwen_checkpoint
+
+    return cached_model(MODEL_NAME, lambda p: make_tiny_qwen_checkpoint(p, SPEC))
+
+
+def decode_config(mode: str, budget_bytes: int, max_len: int) -> EngineConfig:
+    return EngineConfig(dtype="float32", kv_cache_memory_gb=budget_bytes / 2**30, max_num_seqs=64,
+                        max_model_len=max_len, vision_tower=False, vision_cache_mb=0,
+                        visual_kv_cache=MODES[mode][1])
+
+
+def make_pair(path: Path, mode: str, budget_bytes: int, max_len: int) -> LocalPair:
+    """A prefill -> decode pair whose decode worker runs ``mode`` at ``budget_bytes``. ``max_len``: the longest
+    request; the static side's plain pool is floored at one such sequence, so keep it to what is asked of it."""
+    prefill = EngineConfig(dtype="float32", kv_cache_memory_gb=PREFILL_BUDGET_GB, max_num_seqs=64,
+                           max_model_len=max_len)
+    return LocalPair(path, decode_config(mode, budget_bytes, max_len), prefill_config=prefill,
+                     compression=resolve_policy(MODES[mode][0]))
+
+
+def requests(prompts: QwenPrompts, side: int, n: int, images: int = 1) -> list[dict]:
+    """``n`` prompts of ``images`` images each: different text and pixels per prompt (no prefix or vision-cache
+    reuse between them)."""
+    out = []
+    for i in range(n):
+        parts = [prompts.make(side, 1000 * i + j) for j in range(images)]
+        ids = [t for p, _ in parts for t in p]
+        out.append({"prompt_token_ids": ids, "multi_modal_data": {"image": [im for _, im in parts]}})
+    return out
+
+
+def capacity(pair: LocalPair, prompt: dict, tokens: int) -> int:
+    """Copies of ``prompt`` the decode worker admits at once, each with room for ``tokens`` more (then released)."""
+    eng = pair.decode.engine
+    bm = eng.block_manager
+    per_request = -(-tokens // bm.block_size) + 1
+    wire = pair.wire(prompt)[1]
+    held = []
+    while True:
+        try:
+            eng.preallocate(f"cap-{len(held)}", wire, SamplingParams(max_tokens=tokens))
+        except (OutOfBlocksError, RequestTooLargeError):
+            break
+        held.append(f"cap-{len(held)}")
+        if bm.num_free_blocks < len(held) * per_request:
+            break
+    n = len(held) - (bm.num_free_blocks < len(held) * per_request)
+    for rid in held:
+        eng.release_prefill(rid)
+    bm.check_no_leaks()
+    return n
+
+
+def run(pair: LocalPair, reqs: list[dict], tokens: int) -> dict:
+    """``reqs`` at once through the pair: tokens, failures, preemptions, median TPOT, peak decode memory."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    peak = {"pages": 0, "mirror": 0}
+    step = pair.decode.step
+
+    def watched_step():
+        report = step()
+        kv = pair.decode.engine.kv_memory()
+        peak["pages"] = max(peak["pages"], kv.visual_kv_bytes)
+        peak["mirror"] = max(peak["mirror"], kv.mirror_bytes)
+        return report
+
+    pair.decode.step = watched_step
+    try:
+        outs, failed = pair.generate(reqs, params, window=len(reqs))
+    finally:
+        pair.decode.step = step
+    pair.check_no_leaks()
+    done = [o for o in outs if o is not None]
+    tpots = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+             for o in done if len(o.outputs[0].token_ids) > 1]
+    return {"tokens": [o.outputs[0].token_ids if o else [] for o in outs], "completed": len(done),
+            "failed": len(failed), "preemptions": sum(o.metrics.num_preemptions for o in done),
+            "tpot_ms": 1e3 * statistics.median(tpots) if tpots else None, "visual_kv_bytes_peak": peak["pages"],
+            "mirror_bytes_peak": peak["mirror"]}
+
+
+def eight_images(path: Path, prompts: QwenPrompts, side: int, tokens: int, max_len: int) -> dict:
+    """One eight-image request on the unified side: the smallest budget of a few that fits it completes; one that
+    cannot hold it refuses it typed, nothing reserved."""
+    req = requests(prompts, side, 1, images=8)[0]
+    out: dict = {"images": 8, "side": side}
+    fit = None
+    for mb in (48, 64, 96, 128, 192):
+        pair = make_pair(path, "unified", int(mb * 2**20), max_len)
+        eng = pair.decode.engine
+        try:
+            eng.preallocate("probe", pair.wire(req)[1], SamplingParams(max_tokens=tokens))
+            eng.release_prefill("probe")
+            fit = mb
+            r = run(pair, [req], tokens)
+            out.update(completed=r["completed"] == 1 and not r["failed"] and not r["preemptions"],
+                       fit_budget_bytes=int(mb * 2**20), visual_kv_bytes=r["visual_kv_bytes_peak"])
+            break
+        except (OutOfBlocksError, RequestTooLargeError):
+            continue
+        finally:
+            pair.close()
+    over = int((fit or 48) * 2**20 / 4)
+    pair = make_pair(path, "unified", over, max_len)
+    try:
+        pair.decode.engine.preallocate("over", pair.wire(req)[1], SamplingParams(max_tokens=tokens))
+        out.update(refused_typed_when_over=False, over_budget_bytes=over)
+        pair.decode.engine.release_prefill("over")
+    except RequestTooLargeError as e:
+        eng = pair.decode.engine
+        nothing_held = not eng.requests and not eng.receiving and eng.block_manager.num_pages == 0
+        eng.block_manager.check_no_leaks()
+        out.update(refused_typed_when_over=nothing_held, over_budget_bytes=over, error=str(e))
+    finally:
+        pair.close()
+    return out
+
+
+def table(res: dict) -> str:
+    s, u = res["static"], res["unified"]
+    rows = [[name, str(r["concurrent"]), f"{r['completed']}/{r['concurrent']}", str(r["failed"]),
+             str(r["preemptions"]), fmt(r["tpot_ms"], 2), fmt(r["mirror_bytes_peak"] / 2**20),
+             fmt(r["visual_kv_bytes_peak"] / 2**20)] for name, r in (("static", s), ("unified", u))]
+    return format_table(["pool", "concurrent", "completed", "failed", "preempted", "TPOT ms", "mirror MiB",
+                         "pages MiB"], rows)
+
+
+def main(args: argparse.Namespace) -> dict:
+    path = model_dir(args)
+    budget = int(args.budget_mb * 2**20)
+    prompts = QwenPrompts(path, seed=0)
+    per_image = prompts.num_visual_tokens(args.side)
+    one = requests(prompts, args.side, 1)[0]
+    one_len = len(one["prompt_token_ids"]) + args.tokens + 16  # the static pool's floor: one such request
+    eight_len = 8 * len(one["prompt_token_ids"]) + args.tokens + 16
+    res: dict = {"budget_bytes": budget, "side": args.side, "visual_tokens_per_image": per_image,
+                 "tokens": args.tokens, "machine": cpu_description(), "model_dir": str(path),
+                 "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    pairs = {m: make_pair(path, m, budget, one_len) for m in MODES}
+    try:
+        for m, pair in pairs.items():
+            res[m] = {"concurrent": capacity(pair, one, args.tokens), "pool_bytes": pair.decode.engine.kv_memory().pool_bytes}
+            log(f"{m}: {res[m]['concurrent']} concurrent {args.side}² requests at {args.budget_mb:g} MiB")
+        for m, pair in pairs.items():  # held at once, for real
+            r = run(pair, requests(prompts, args.side, res[m]["concurrent"]), args.tokens)
+            res[m].update({k: r[k] for k in ("completed", "failed", "preemptions", "visual_kv_bytes_peak",
+                                             "mirror_bytes_peak")})
+            res[m]["tpot_ms_at_own"] = r["tpot_ms"]
+        same = requests(prompts, args.side, max(1, res["static"]["concurrent"]))
+        tp: dict[str, list[float]] = {m: [] for m in MODES}
+        toks: dict[str, list] = {}
+        for r in range(args.rounds):
+            for m in (MODES if r % 2 == 0 else list(MODES)[::-1]):
+                out = run(pairs[m], same, args.tokens)
+                tp[m].append(out["tpot_ms"])
+                toks[m] = out["tokens"]
+                log(f"round {r}: {m} TPOT {out['tpot_ms']:.2f} ms at {len(same)} requests")
+        for m in MODES:
+            res[m]["tpot_ms"] = statistics.median(tp[m])
+            res[m]["tpot_rounds_ms"] = tp[m]
+        res["unified"]["agreement"] = agreement(toks["static"], toks["unified"])
+        res["unified"]["tpot_ratio"] = res["unified"]["tpot_ms"] / res["static"]["tpot_ms"]
+        res["unified"]["concurrent_ratio"] = res["unified"]["concurrent"] / max(1, res["static"]["concurrent"])
+    finally:
+        for pair in pairs.values():
+            pair.close()
+    res["eight_1024_images"] = eight_images(path, prompts, args.side, args.tokens, eight_len)
+    return res
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    res = main(args)
+    print(table(res))
+    u, e = res["unified"], res["eight_1024_images"]
+    print(f"unified / static: {u['concurrent_ratio']:.2f}x concurrent, TPOT {u['tpot_ratio']:.2f}x, agreement "
+          f"{u['agreement']:.3f}; eight images: completed {e.get('completed')}, refused typed when over "
+          f"{e.get('refused_typed_when_over')} ({time.perf_counter() - t0:.0f} s)")
+    write_json(args.json, res)
+    log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sys.exit(run_bench(parser.parse_args()))
