@@ -35,14 +35,17 @@ from duet_bench.kvcodec_measure import agreement
 from duet_bench.machine import cpu_description
 from duet_bench.qwen_bench import QWEN_BENCH_SPEC, QwenPrompts
 from engine import EngineConfig, SamplingParams
+from engine.decode_mirror import reserved_bytes
 from engine.errors import OutOfBlocksError, RequestTooLargeError
 from kv_transfer.compression import resolve_policy
+from kv_transfer.lease import LeasePolicy
 
 MODEL_NAME = "bench-qwen3-vl-moe-v1-16k"  # the Qwen bench model with room for eight 1024² images in one prompt
 SPEC = dataclasses.replace(QWEN_BENCH_SPEC, max_position_embeddings=16384)
 DEFAULT_BUDGET_MB, DEFAULT_SIDE, DEFAULT_TOKENS, DEFAULT_ROUNDS = 64, 1024, 16, 2
 MODES = {"static": (None, "plain"), "unified": ("default", "int8")}  # wire policy, decode cache
-PREFILL_BUDGET_GB = 0.5  # the prefill worker's own pool: it computes an eight-image prompt plain
+PREFILL_BUDGET_GB = 0.5
+LEASE_S = 900.0  # the prefill worker's own pool: it computes an eight-image prompt plain
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,8 +79,12 @@ def make_pair(path: Path, mode: str, budget_bytes: int, max_len: int) -> LocalPa
     request; the static side's plain pool is floored at one such sequence, so keep it to what is asked of it."""
     prefill = EngineConfig(dtype="float32", kv_cache_memory_gb=PREFILL_BUDGET_GB, max_num_seqs=64,
                            max_model_len=max_len)
-    return LocalPair(path, decode_config(mode, budget_bytes, max_len), prefill_config=prefill,
+    pair = LocalPair(path, decode_config(mode, budget_bytes, max_len), prefill_config=prefill,
                      compression=resolve_policy(MODES[mode][0]))
+    # every request is allocated at once and waits there for its prefill (one at a time on this process's cores):
+    # a lease long enough for the slowest, so holding them all is what is measured, not the prefill queue
+    pair.decode.lease_policy = LeasePolicy(base_s=LEASE_S)
+    return pair
 
 
 def requests(prompts: QwenPrompts, side: int, n: int, images: int = 1) -> list[dict]:
@@ -116,7 +123,7 @@ def capacity(pair: LocalPair, prompt: dict, tokens: int) -> int:
 def run(pair: LocalPair, reqs: list[dict], tokens: int) -> dict:
     """``reqs`` at once through the pair: tokens, failures, preemptions, median TPOT, peak decode memory."""
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    peak = {"pages": 0, "mirror": 0}
+    peak = {"pages": 0, "mirror": 0, "held": 0}
     step = pair.decode.step
 
     def watched_step():
@@ -124,6 +131,7 @@ def run(pair: LocalPair, reqs: list[dict], tokens: int) -> dict:
         kv = pair.decode.engine.kv_memory()
         peak["pages"] = max(peak["pages"], kv.visual_kv_bytes)
         peak["mirror"] = max(peak["mirror"], kv.mirror_bytes)
+        peak["held"] = max(peak["held"], len(pair.decode.engine.requests))  # receiving or decoding, KV reserved
         return report
 
     pair.decode.step = watched_step
@@ -138,41 +146,47 @@ def run(pair: LocalPair, reqs: list[dict], tokens: int) -> dict:
     return {"tokens": [o.outputs[0].token_ids if o else [] for o in outs], "completed": len(done),
             "failed": len(failed), "preemptions": sum(o.metrics.num_preemptions for o in done),
             "tpot_ms": 1e3 * statistics.median(tpots) if tpots else None, "visual_kv_bytes_peak": peak["pages"],
-            "mirror_bytes_peak": peak["mirror"]}
+            "mirror_bytes_peak": peak["mirror"], "held_peak": peak["held"]}
 
 
 def eight_images(path: Path, prompts: QwenPrompts, side: int, tokens: int, max_len: int) -> dict:
-    """One eight-image request on the unified side: the smallest budget of a few that fits it completes; one that
-    cannot hold it refuses it typed, nothing reserved."""
+    """One eight-image request on the unified side: the smallest of a few budgets that fits it runs it to the end;
+    a budget whose pool holds half its KV refuses it typed, with nothing reserved."""
     req = requests(prompts, side, 1, images=8)[0]
-    out: dict = {"images": 8, "side": side}
-    fit = None
-    for mb in (48, 64, 96, 128, 192):
+    out: dict = {"images": 8, "side": side, "completed": False}
+    need = reserve = None
+    for mb in (48, 64, 96, 128, 192, 256):
         pair = make_pair(path, "unified", int(mb * 2**20), max_len)
         eng = pair.decode.engine
         try:
-            eng.preallocate("probe", pair.wire(req)[1], SamplingParams(max_tokens=tokens))
+            try:
+                blocks = eng.preallocate("probe", pair.wire(req)[1], SamplingParams(max_tokens=tokens))
+            except (OutOfBlocksError, RequestTooLargeError):
+                continue
+            block_bytes = eng.runner.kv_bytes_per_token * eng.config.block_size
+            need = (sum(b >= 0 for b in blocks) + eng.block_manager.num_pages) * block_bytes
+            reserve = reserved_bytes(eng.config.max_num_seqs, eng.runner.kv_bytes_per_token)  # the mirror's share
             eng.release_prefill("probe")
-            fit = mb
             r = run(pair, [req], tokens)
             out.update(completed=r["completed"] == 1 and not r["failed"] and not r["preemptions"],
-                       fit_budget_bytes=int(mb * 2**20), visual_kv_bytes=r["visual_kv_bytes_peak"])
+                       fit_budget_bytes=int(mb * 2**20), kv_bytes=need, visual_kv_bytes=r["visual_kv_bytes_peak"],
+                       preemptions=r["preemptions"])
             break
-        except (OutOfBlocksError, RequestTooLargeError):
-            continue
         finally:
             pair.close()
-    over = int((fit or 48) * 2**20 / 4)
+    if need is None:
+        return out
+    over = reserve + need // 2
     pair = make_pair(path, "unified", over, max_len)
+    eng = pair.decode.engine
+    out.update(over_budget_bytes=over, refused_typed_when_over=False)
     try:
-        pair.decode.engine.preallocate("over", pair.wire(req)[1], SamplingParams(max_tokens=tokens))
-        out.update(refused_typed_when_over=False, over_budget_bytes=over)
-        pair.decode.engine.release_prefill("over")
+        eng.preallocate("over", pair.wire(req)[1], SamplingParams(max_tokens=tokens))
+        eng.release_prefill("over")
     except RequestTooLargeError as e:
-        eng = pair.decode.engine
         nothing_held = not eng.requests and not eng.receiving and eng.block_manager.num_pages == 0
         eng.block_manager.check_no_leaks()
-        out.update(refused_typed_when_over=nothing_held, over_budget_bytes=over, error=str(e))
+        out.update(refused_typed_when_over=nothing_held, error=str(e))
     finally:
         pair.close()
     return out
@@ -180,10 +194,10 @@ def eight_images(path: Path, prompts: QwenPrompts, side: int, tokens: int, max_l
 
 def table(res: dict) -> str:
     s, u = res["static"], res["unified"]
-    rows = [[name, str(r["concurrent"]), f"{r['completed']}/{r['concurrent']}", str(r["failed"]),
+    rows = [[name, str(r["concurrent"]), str(r["held_peak"]), f"{r['completed']}/{r['concurrent']}", str(r["failed"]),
              str(r["preemptions"]), fmt(r["tpot_ms"], 2), fmt(r["mirror_bytes_peak"] / 2**20),
              fmt(r["visual_kv_bytes_peak"] / 2**20)] for name, r in (("static", s), ("unified", u))]
-    return format_table(["pool", "concurrent", "completed", "failed", "preempted", "TPOT ms", "mirror MiB",
+    return format_table(["pool", "concurrent", "held at once", "completed", "failed", "preempted", "TPOT ms", "mirror MiB",
                          "pages MiB"], rows)
 
 
@@ -206,7 +220,7 @@ def main(args: argparse.Namespace) -> dict:
         for m, pair in pairs.items():  # held at once, for real
             r = run(pair, requests(prompts, args.side, res[m]["concurrent"]), args.tokens)
             res[m].update({k: r[k] for k in ("completed", "failed", "preemptions", "visual_kv_bytes_peak",
-                                             "mirror_bytes_peak")})
+                                             "mirror_bytes_peak", "held_peak")})
             res[m]["tpot_ms_at_own"] = r["tpot_ms"]
         same = requests(prompts, args.side, max(1, res["static"]["concurrent"]))
         tp: dict[str, list[float]] = {m: [] for m in MODES}
