@@ -75,7 +75,8 @@ class BlockManager:
                  num_state_slots: int = 0, on_evict: Callable[[bytes], None] | None = None,
                  num_snapshots: int = 0, snapshot_every_blocks: int = 0,
                  on_snapshot_drop: Callable[[bytes], None] | None = None, visual_floor: int = 0) -> None:
-        """``visual_floor``: blocks lending (cached features, coded pages) leaves to the plain KV. Hybrid models: ``num_state_slots`` sequences' slots, and ``num_snapshots`` snapshot slots after them (the
+        """``visual_floor``: blocks lending (cached features, coded pages) leaves to the plain KV. Hybrid models:
+        ``num_state_slots`` sequences' slots, and ``num_snapshots`` snapshot slots after them (the
         state cache's rows ``num_state_slots ..``); without snapshots a hybrid model has no prefix cache."""
         assert num_blocks > 0 and block_size > 0
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None

@@ -209,6 +209,10 @@ class EngineConfig:
     # share of the pool's blocks the elastic region (cached image features, coded visual pages) never takes: the
     # static text region's floor
     text_kv_floor: float = 0.1
+    # the vision tower's workspace, kept out of kv_cache_memory_gb before the pool is sized (engines with a tower);
+    # a prompt's images are encoded in as many tower calls as fit it, an image that alone does not is refused. None:
+    # a step's worth of images (max_num_batched_tokens visual tokens), at least one largest, engine.workspace
+    encoder_workspace_mb: float | None = None
     scheduling_policy: str = "fcfs"  # admission order: "fcfs" or "shortest" (engine.scheduler)
     scheduling_max_wait_s: float = 10.0  # "shortest": a prompt waiting this long goes first
     seed: int = 0
@@ -241,6 +245,8 @@ class EngineConfig:
         if isinstance(self.text_kv_floor, bool) or not isinstance(self.text_kv_floor, (int, float)) \
                 or not 0 <= self.text_kv_floor <= 1:
             raise ValueError(f"text_kv_floor must be a number in [0, 1], got {self.text_kv_floor!r}")
+        if self.encoder_workspace_mb is not None and not self.encoder_workspace_mb >= 0:
+            raise ValueError("encoder_workspace_mb must be >= 0 (or None)")
         if self.cpu_linear not in ("auto", "packed", "native"):
             raise ValueError(f"cpu_linear must be 'auto', 'packed' or 'native', got {self.cpu_linear!r}")
         if self.scheduling_policy not in POLICIES:

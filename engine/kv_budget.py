@@ -34,7 +34,7 @@ class KVMemory:
     ``num_kv_blocks`` fixed the pool); the mirror's growth past its starting allocation can take ``total_bytes`` over
     it. ``state_bytes``: hybrid models' GDN state slots (0 otherwise). ``vision_cache_bytes``: encoded images kept
     for reuse (:mod:`engine.vision_cache`), in blocks the pool lends: part of ``pool_bytes``, not more. The pool's
-    regions now: ``text_kv_bytes`` (blocks sequences hold, plain), ``visual_kv_bytes`` (coded visual pages,
+    regions now: ``workspace_bytes`` (the vision tower's reserve, beside the pool), ``text_kv_bytes`` (blocks sequences hold, plain), ``visual_kv_bytes`` (coded visual pages,
     :mod:`engine.coded_kv`); with ``vision_cache_bytes`` the elastic region, which never takes ``floor_bytes``."""
 
     pool_bytes: int
@@ -45,6 +45,7 @@ class KVMemory:
     text_kv_bytes: int = 0
     visual_kv_bytes: int = 0
     floor_bytes: int = 0
+    workspace_bytes: int = 0  # kept for the vision tower (encoder_workspace_mb), off the budget before the pool
 
     @property
     def total_bytes(self) -> int:
@@ -59,16 +60,18 @@ class PoolPlan:
     mirror_tokens: int | None  # decode mirror tokens reserved per sequence (decode_mirror_tokens, capped); None: grown
 
 
-def plan_pool(c: EngineConfig, t: TextConfig, dtype: torch.dtype, num_state_slots: int) -> PoolPlan:
+def plan_pool(c: EngineConfig, t: TextConfig, dtype: torch.dtype, num_state_slots: int,
+              workspace: int = 0) -> PoolPlan:
     """Size the KV pool of an engine with knobs ``c`` for text model ``t`` in ``dtype`` with ``num_state_slots`` GDN
-    state slots (0 unless hybrid). Raises :class:`CheckpointError` when ``max_model_len`` exceeds the model's limit."""
+    state slots (0 unless hybrid) and ``workspace`` bytes kept for the vision tower (engine.workspace).
+    Raises :class:`CheckpointError` when ``max_model_len`` exceeds the model's limit."""
     limit = t.max_position_embeddings if t.sliding_window is None else min(t.max_position_embeddings, t.sliding_window)
     if c.max_model_len is not None and c.max_model_len > limit:
         raise CheckpointError(f"max_model_len {c.max_model_len} exceeds the model's limit of {limit} positions")
     max_len = c.max_model_len or min(limit, 4096)
     mirror_tokens = min(c.decode_mirror_tokens, max_len) if c.decode_mirror_tokens else None
     per_token = t.kv_bytes_per_token(dtype)
-    state = num_state_slots * t.state_bytes_per_seq(dtype)
+    state = num_state_slots * t.state_bytes_per_seq(dtype) + workspace  # off the budget beside the mirror
     per_block = per_token * c.block_size
     blocks_per_seq = -(-max_len // c.block_size)
     budget: int | None = None

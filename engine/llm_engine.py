@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
 import logging
+from collections.abc import Callable
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.admission import check_fits
+from engine.admission import check_local
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, parse_device
 from engine.cpu_tuning import tune_malloc
@@ -38,6 +38,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 from engine.vision_stage import VisionStage
+from engine.workspace import encoder_reserve
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ class LLMEngine(ReceiveMixin):
             if cfg.text.is_hybrid and config.enable_prefix_caching and not self.num_snapshots else None)
         if self.prefix_caching_off_reason and config.enable_prefix_caching:
             logger.info("prefix caching off: %s", self.prefix_caching_off_reason)
-        pool = plan_pool(config, cfg.text, self.dtype, self.num_state_slots + self.num_snapshots)
+        self.workspace = encoder_reserve(config, cfg, self.image_processor, self.dtype, self.model.vision)
+        pool = plan_pool(config, cfg.text, self.dtype, self.num_state_slots + self.num_snapshots, self.workspace)
         self.max_model_len = max_len = pool.max_model_len
         self.kv_budget_bytes, num_blocks = pool.budget_bytes, pool.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
@@ -85,7 +87,8 @@ class LLMEngine(ReceiveMixin):
                                   device=self.device, vision_cache_size=config.vision_cache_size,
                                   vision_cache_bytes=config.vision_cache_bytes if self.model.vision is not None else 0,
                                   mirror_tokens=pool.mirror_tokens, num_state_slots=self.num_state_slots + self.num_snapshots,
-                                  track_routing=hooks.track_routing, query_window=hooks.query_window)
+                                  track_routing=hooks.track_routing, query_window=hooks.query_window,
+                                  workspace=self.workspace)
         # cached image features live in KV blocks the block manager lends, given back first when KV needs them
         self.runner.vision_cache.store = PoolStore(self.runner.pool, self.block_manager)
         self.block_manager.reclaim = self.runner.vision_cache.reclaim
@@ -106,11 +109,10 @@ class LLMEngine(ReceiveMixin):
 
     def kv_memory(self) -> KVMemory:
         """Cache bytes now: the paged pool, the decode mirror (which grows on demand) and GDN state slots."""
-        return KVMemory(pool_bytes=self.runner.pool_nbytes, mirror_bytes=self.runner.mirror.nbytes,
-                        budget_bytes=self.kv_budget_bytes,
-                        state_bytes=0 if self.runner.state is None else self.runner.state.nbytes,
-                        vision_cache_bytes=self.runner.vision_cache.nbytes, **self.block_manager.regions(
-                            self.runner.kv_bytes_per_token * self.config.block_size))
+        r = self.runner
+        return KVMemory(pool_bytes=r.pool_nbytes, mirror_bytes=r.mirror.nbytes, budget_bytes=self.kv_budget_bytes,
+                        state_bytes=0 if r.state is None else r.state.nbytes, vision_cache_bytes=r.vision_cache.nbytes,
+                        workspace_bytes=self.workspace, **self.block_manager.regions(r.block_bytes))
 
     # ----------------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
@@ -132,8 +134,7 @@ class LLMEngine(ReceiveMixin):
             why = "no vision tower here encodes its pixels" if self.model.vision is None else "its images carry no pixels here"
             raise InvalidRequestError(f"request {request_id!r}: {why}, so its prompt cannot be computed (such a "
                                       "prompt can only be preallocated for a transfer)")
-        check_fits(self.block_manager, self.runner.kv_bytes_per_token * self.config.block_size, seq,
-                   seq.num_tokens + 1)  # computed here: every block plain
+        check_local(self, seq)  # its KV (every block plain) and its images' tower workspace fit (engine.admission)
         return seq
 
     def add_sequence(self, seq: Sequence) -> None:

@@ -32,6 +32,7 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 from engine.state_cache import LayerState, StateCache, StateStep
 from engine.vision_cache import VisionCache, VisionEntry
+from engine.workspace import workspace_groups
 
 
 class ModelRunner:
@@ -39,10 +40,12 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device, vision_cache_size: int = 64,
                  vision_cache_bytes: int = 256 * 2**20,
                  mirror_tokens: int | None = None, num_state_slots: int = 0, track_routing: bool = False,
-                 query_window: int = 0) -> None:
-        """``track_routing``, ``query_window``: the owner's :class:`engine.hooks.EngineHooks` switches, fixed here."""
+                 query_window: int = 0, workspace: int = 0) -> None:
+        """``track_routing``, ``query_window``: the owner's :class:`engine.hooks.EngineHooks` switches, fixed here.
+        ``workspace``: bytes a tower call may hold (engine.workspace; 0: unbounded, one call a step)."""
         t = model.cfg.text
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
+        self.workspace = workspace
         self._moe_cache: list[SparseMoe] | None = None
         shape = (num_blocks, block_size, t.num_kv_heads, t.head_dim)
         self.kv_index = {layer: i for i, layer in enumerate(t.kv_layers)}  # decoder layer -> pool entry
@@ -74,6 +77,10 @@ class ModelRunner:
         return 2 * len(self.pool) * k.shape[2] * k.shape[3] * k.element_size()
 
     @property
+    def block_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
+
+    @property
     def pool_nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.pool)
 
@@ -95,9 +102,9 @@ class ModelRunner:
 
     def encode_pending_images(self, seqs: list[Sequence], fresh: dict[bytes, VisionEntry] | None = None) -> None:
         """Compute image features for sequences scheduled for the first time, reusing cached encodings (and
-        ``fresh``: encodings just made, which an image too large to cache is only in). One tower call per step
-        encodes every distinct image not cached (Qwen3-VL images of any sizes together, each attending only within
-        itself). Cached entries are taken before the call, so what it adds to the cache cannot push them out."""
+        ``fresh``: encodings just made, which an image too large to cache is only in). The distinct images not
+        cached are encoded together (Qwen3-VL images of any sizes in one call, each attending only within itself),
+        in as few tower calls as keep within the workspace (:func:`engine.workspace.workspace_groups`). Cached entries are taken before the call, so what it adds to the cache cannot push them out."""
         have = dict(fresh or {})
         todo: dict[bytes, tuple[Sequence, int]] = {}  # one encoding per distinct image, however often it appears
         waiting: list[Sequence] = []  # the requests that wait for this step's tower call (its time is theirs)
@@ -114,7 +121,8 @@ class ModelRunner:
                 waiting.append(seq)
         if todo:
             t0 = time.perf_counter()
-            have.update(self._encode(todo))
+            for group in workspace_groups(todo, self.model.cfg, self.workspace, self.dtype.itemsize):
+                have.update(self._encode(group))
             spent = time.perf_counter() - t0
             for seq in waiting:
                 seq.metrics.vision_s += spent

@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.workspace import VISION_SLICE_ROWS, workspace_groups
+
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
     from engine.scheduler import Scheduler
     from engine.sequence import Sequence
 
-VISION_SLICE_ROWS = 512  # tower output rows per piece
 
 
 class VisionStage:
@@ -35,9 +36,10 @@ class VisionStage:
     def __init__(self, runner: ModelRunner, slice_s: float | None) -> None:
         self.runner, self.slice_s = runner, slice_s
         self.queue: deque[Sequence] = deque()
-        # seq id -> (its images to encode, the tower call in progress, its images that were cached when it started:
-        # taken then, so KV reclaiming the cache's blocks meanwhile does not send them to the tower again)
-        self.jobs: dict[int, tuple[dict, Any, dict]] = {}
+        # seq id -> {"groups": its images still to encode, in tower calls; "call": the call in progress; "cached":
+        # its images encoded or cached when it started (taken then, so KV reclaiming the cache's blocks meanwhile
+        # does not send them to the tower again)}
+        self.jobs: dict[int, dict[str, Any]] = {}
         self._turn = True  # the next step with work on both sides is a slice here
 
     def __bool__(self) -> bool:
@@ -89,8 +91,10 @@ class VisionStage:
 
     def _encode(self, seq: Sequence, deadline: float) -> bool:
         """Advance ``seq``'s images not cached yet until ``deadline`` (at least one piece); True once its features
-        are set. The tower's time counts in its ``metrics.vision_s``. An image another prompt is encoding now is
-        encoded again (one prompt is advanced at a time, oldest first, so that is rare)."""
+        are set. Its images go through the tower in calls that keep within the workspace
+        (:func:`engine.workspace.workspace_groups`), one after the other. The tower's time counts in its
+        ``metrics.vision_s``. An image another prompt is encoding now is encoded again (one prompt is advanced at a
+        time, oldest first, so that is rare)."""
         runner, tower = self.runner, self.runner.model.vision
         job = self.jobs.get(seq.seq_id)
         if job is None:
@@ -101,20 +105,28 @@ class VisionStage:
             if not todo:
                 runner.encode_pending_images([seq])  # every image cached: sets its features
                 return True
-            t0 = time.perf_counter()
             cached = {h: e for h in seq.mm.image_hashes if h not in todo and (e := runner.vision_cache.get(h))}
-            job = self.jobs[seq.seq_id] = (todo, tower.start(*runner.grid_inputs(todo)), cached)
-            seq.metrics.vision_s += time.perf_counter() - t0
-        todo, tower_job, cached = job
+            groups = workspace_groups(todo, runner.model.cfg, runner.workspace, runner.dtype.itemsize)
+            job = self.jobs[seq.seq_id] = {"groups": groups, "call": None, "cached": cached}
         t0 = time.perf_counter()
         try:
-            while not tower.advance(tower_job, rows=VISION_SLICE_ROWS):
+            while True:
+                if job["call"] is None:
+                    job["call"] = tower.start(*runner.grid_inputs(job["groups"][0]))
+                while not tower.advance(job["call"], rows=VISION_SLICE_ROWS):
+                    if time.perf_counter() >= deadline:
+                        return False
+                feats, deepstack = tower.finish(job["call"])
+                job["call"] = None
+                done = job["groups"].pop(0)
+                job["cached"].update(runner.cache_grid_features(done, feats, torch.stack(deepstack) if deepstack
+                                                                else None))
+                if not job["groups"]:
+                    break
                 if time.perf_counter() >= deadline:
                     return False
             del self.jobs[seq.seq_id]
-            feats, deepstack = tower.finish(tower_job)
-            fresh = runner.cache_grid_features(todo, feats, torch.stack(deepstack) if deepstack else None)
         finally:
             seq.metrics.vision_s += time.perf_counter() - t0
-        runner.encode_pending_images([seq], {**cached, **fresh})  # its images are all encoded now: sets its features
+        runner.encode_pending_images([seq], job["cached"])  # its images are all encoded now: sets its features
         return True

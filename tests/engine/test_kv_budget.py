@@ -1,5 +1,6 @@
 """The KV budget covers everything attention reads: ``kv_cache_memory_gb`` pays for the decode mirror's starting
-allocation before the paged pool, and the engine reports both (the mirror's growth included)."""
+allocation (and a tower's workspace) before the paged pool, and the engine reports them (the mirror's growth
+included)."""
 
 from __future__ import annotations
 
@@ -20,18 +21,27 @@ def _per_token(tiny_model_dir) -> int:
     return llm.engine.runner.kv_bytes_per_token
 
 
+def _workspace(tiny_model_dir) -> int:
+    """The vision tower's reserve the budget pays before the pool (engine.workspace.encoder_reserve)."""
+    return LLM(tiny_model_dir, dtype="float32", num_kv_blocks=8, block_size=BLOCK, max_num_seqs=SEQS,
+               max_model_len=MAX_LEN).engine.workspace
+
+
 @pytest.mark.parametrize("mirror_tokens", [None, 32], ids=["mirror-on-demand", "mirror-reserved"])
 def test_pool_plus_mirror_reservation_stay_within_the_budget(tiny_model_dir, mirror_tokens):
     per_token = _per_token(tiny_model_dir)
     reserved = reserved_bytes(SEQS, per_token, mirror_tokens)
-    budget = reserved + 400 * per_token + 3  # room for exactly 100 blocks of 4 tokens after the mirror
+    workspace = _workspace(tiny_model_dir)
+    assert workspace > 0  # the tiny LLaVA model has a tower
+    budget = reserved + workspace + 400 * per_token + 3  # room for exactly 100 blocks of 4 tokens after both
     llm = LLM(tiny_model_dir, dtype="float32", block_size=BLOCK, max_num_seqs=SEQS, max_model_len=MAX_LEN,
               kv_cache_memory_gb=budget / 2**30, decode_mirror_tokens=mirror_tokens)
     kv = llm.engine.kv_memory()
     assert llm.engine.block_manager.num_blocks == 100
     assert kv.pool_bytes == 100 * BLOCK * per_token
     assert kv.mirror_bytes == reserved == llm.engine.runner.mirror.nbytes
-    assert kv.total_bytes == kv.pool_bytes + kv.mirror_bytes <= kv.budget_bytes == budget
+    assert kv.total_bytes == kv.pool_bytes + kv.mirror_bytes
+    assert kv.workspace_bytes == workspace and kv.total_bytes + workspace <= kv.budget_bytes == budget
 
 
 def test_worked_reservations():
