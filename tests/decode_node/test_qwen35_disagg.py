@@ -166,3 +166,30 @@ def test_choices_fork_on_the_decode_side_with_the_received_state(ckpt, prompts):
         pair.check_no_leaks()
     finally:
         pair.close()
+
+
+def test_decode_side_keeps_the_image_kv_coded_beside_the_received_state(ckpt, prompts):
+    """Hybrid model, ``visual_kv_cache="int8"`` on the decode side: the attention layer's whole image blocks go into
+    pages (the GDN state arrives as before); decoding stays close to the local engine's and frees everything."""
+    names = ["one-image", "two-images", "long"]
+    local = _local(ckpt, [prompts[n] for n in names], greedy(8))
+    pair = LocalPair(ckpt, EngineConfig(**CFG, visual_kv_cache="int8"), prefill_config=EngineConfig(**CFG))
+    pages, step = [0], pair.decode.step
+
+    def watched():
+        report = step()
+        pages[0] = max(pages[0], pair.decode.engine.block_manager.num_pages)
+        return report
+
+    pair.decode.step = watched
+    try:
+        outs, failed = pair.generate([prompts[n] for n in names], greedy(8))
+        assert not failed
+        pair.check_no_leaks()
+        assert pair.decode.engine.block_manager.num_pages == 0
+    finally:
+        pair.close()
+    assert pages[0] > 0
+    same = [a == b for want, got in zip(local, outs, strict=True)
+            for a, b in zip(want.outputs[0].token_ids, got.outputs[0].token_ids, strict=True)]
+    assert sum(same) >= 0.8 * len(same)
