@@ -130,13 +130,10 @@ def write_pages(pool_k: torch.Tensor, pool_v: torch.Tensor, pages: list[int], ca
     vb.index_copy_(0, idx, buf_v.to(pool_v.device))
 
 
-def read_pages(pool_k: torch.Tensor, pool_v: torch.Tensor, pages: list[int], counts: list[int], capacity: int,
-               kvh: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pages' values, float32 ``[sum(counts), KVH, D]`` each (K, V)."""
-    p, g = len(pages), capacity
-    if not p:
-        return torch.zeros(0, kvh, d, device=pool_k.device), torch.zeros(0, kvh, d, device=pool_k.device)
-    idx = torch.tensor(pages, dtype=torch.long, device=pool_k.device)
+def _dequantize(pool_k: torch.Tensor, pool_v: torch.Tensor, idx: torch.Tensor, capacity: int, kvh: int,
+                d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages ``idx`` (a long tensor on the pool's device) dequantized whole: float32 ``[P, G, KVH, D]`` each."""
+    p, g = idx.shape[0], capacity
     kb, vb = _bytes(pool_k).index_select(0, idx), _bytes(pool_v).index_select(0, idx)
     sk, sv, nc = kvh * d * 4, kvh * g * 4, kvh * g * d
     kmn = kb[:, :sk].contiguous().view(torch.float32).view(p, 1, kvh, d)
@@ -145,9 +142,23 @@ def read_pages(pool_k: torch.Tensor, pool_v: torch.Tensor, pages: list[int], cou
     vmn = vb[:, :sv].contiguous().view(torch.float32).view(p, kvh, g).transpose(1, 2)[..., None]
     vsc = vb[:, sv:2 * sv].contiguous().view(torch.float32).view(p, kvh, g).transpose(1, 2)[..., None]
     vc = vb[:, 2 * sv:2 * sv + nc].view(p, kvh, g, d).transpose(1, 2).float()
-    k, v = (kc * ksc + kmn).reshape(p * g, kvh, d), (vc * vsc + vmn).reshape(p * g, kvh, d)
-    keep = torch.cat([torch.arange(i * g, i * g + c) for i, c in enumerate(counts)]).to(pool_k.device)
-    return k.index_select(0, keep), v.index_select(0, keep)
+    return kc.mul_(ksc).add_(kmn), vc.mul_(vsc).add_(vmn)
+
+
+def _token_index(counts: list[int], capacity: int) -> np.ndarray:
+    """Flat ``page * capacity + slot`` of each stored token, in order."""
+    return np.concatenate([np.arange(i * capacity, i * capacity + c) for i, c in enumerate(counts)]) \
+        if counts else np.zeros(0, dtype=np.int64)
+
+
+def read_pages(pool_k: torch.Tensor, pool_v: torch.Tensor, pages: list[int], counts: list[int], capacity: int,
+               kvh: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages' values, float32 ``[sum(counts), KVH, D]`` each (K, V)."""
+    if not pages:
+        return torch.zeros(0, kvh, d, device=pool_k.device), torch.zeros(0, kvh, d, device=pool_k.device)
+    k, v = _dequantize(pool_k, pool_v, torch.tensor(pages, dtype=torch.long, device=pool_k.device), capacity, kvh, d)
+    keep = torch.from_numpy(_token_index(counts, capacity)).to(pool_k.device)
+    return k.flatten(0, 1).index_select(0, keep), v.flatten(0, 1).index_select(0, keep)
 
 
 @dataclass
@@ -163,6 +174,29 @@ class CodedRows:
     head_dim: int
     max_keys: int
     rows: list[CodedKV | None]
+    _gather: tuple | None = None
+
+    def gather(self, device: torch.device, dtype: torch.dtype) -> tuple:
+        """Indices that place the step's coded tokens (every layer alike; made on first use): the pages as a long
+        tensor, each token's flat ``page * capacity + slot`` in them, its row and its column in the row's coded keys,
+        the most coded keys of a row, and the additive mask ``[B, 1, 1, most]`` (0 where a row has a token)."""
+        if self._gather is None:
+            src, row, col, base = [], [], [], 0
+            for i, c in enumerate(self.rows):
+                n = 0 if c is None else len(c.pages)
+                if c is not None:
+                    src.append(base * self.capacity + _token_index(c.counts, self.capacity))
+                    row.append(np.full(c.num_tokens, i))
+                    col.append(np.arange(c.num_tokens))
+                base += n
+            most = max((c.num_tokens for c in self.rows if c is not None), default=0)
+            mask = torch.full((len(self.rows), 1, 1, most), float("-inf"), dtype=dtype, device=device)
+            for i, c in enumerate(self.rows):
+                if c is not None:
+                    mask[i, ..., :c.num_tokens] = 0
+            as_t = lambda parts: torch.from_numpy(np.concatenate(parts)).to(device)  # noqa: E731
+            self._gather = (self.blk.to(device), as_t(src), as_t(row), as_t(col), most, mask)
+        return self._gather
 
 
 def coded_rows(coded: list[CodedKV | None], plain_lens: list[int], capacity: int, head_dim: int) -> CodedRows | None:
@@ -183,21 +217,22 @@ def coded_rows(coded: list[CodedKV | None], plain_lens: list[int], capacity: int
 def attend_torch(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, mask: torch.Tensor, rows: CodedRows,
                  pool_k: torch.Tensor, pool_v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     """Decode attention of ``q [B, KVH, G, D]`` over the mirror's plain keys ``kd``, ``vd [B, KVH, L, D]`` (additive
-    ``mask [B, 1, 1, L]``) and each row's coded pages, dequantized here. Returns ``[B, KVH, G, D]``."""
+    ``mask [B, 1, 1, L]``) and each row's coded pages, dequantized here: every page of the batch in one pass, placed
+    by indices built once a step (:meth:`CodedRows.gather`). Returns ``[B, KVH, G, D]``."""
     b, kvh, _, d = kd.shape
-    most = max((c.num_tokens for c in rows.rows if c is not None), default=0)
-    kc = torch.zeros(b, kvh, most, d, dtype=kd.dtype, device=kd.device)
+    pages, src, row, col, most, cmask = rows.gather(kd.device, mask.dtype)
+    k, v = _dequantize(pool_k, pool_v, pages, rows.capacity, kvh, d)
+    kc = torch.zeros(b, most, kvh, d, dtype=kd.dtype, device=kd.device)
     vc = torch.zeros_like(kc)
-    cmask = torch.full((b, 1, 1, most), float("-inf"), dtype=mask.dtype, device=mask.device)
-    for i, c in enumerate(rows.rows):
-        if c is None:
-            continue
-        k, v = read_pages(pool_k, pool_v, c.pages, c.counts, rows.capacity, kvh, d)
-        kc[i, :, :len(k)], vc[i, :, :len(v)] = k.transpose(0, 1), v.transpose(0, 1)
-        cmask[i, ..., :len(k)] = 0
-        if layer in c.dropped:
-            cmask[i, ..., torch.from_numpy(c.dropped[layer])] = float("-inf")
-    return F.scaled_dot_product_attention(q, torch.cat([kd, kc], 2), torch.cat([vd, vc], 2),
+    kc[row, col] = k.flatten(0, 1).index_select(0, src).to(kd.dtype)
+    vc[row, col] = v.flatten(0, 1).index_select(0, src).to(vd.dtype)
+    if any(c is not None and layer in c.dropped for c in rows.rows):
+        cmask = cmask.clone()
+        for i, c in enumerate(rows.rows):
+            if c is not None and layer in c.dropped:
+                cmask[i, ..., torch.from_numpy(c.dropped[layer]).to(mask.device)] = float("-inf")
+    return F.scaled_dot_product_attention(q, torch.cat([kd, kc.transpose(1, 2)], 2),
+                                          torch.cat([vd, vc.transpose(1, 2)], 2),
                                           attn_mask=torch.cat([mask, cmask], 3), scale=scale)
 
 

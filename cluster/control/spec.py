@@ -285,9 +285,12 @@ class ClusterSpec:
         if role == "decode":  # a decode worker never encodes an image (its prompts come prefilled, or are text):
             extra.setdefault("vision_cache_mb", 0)  # no cache of encodings, and its engine neither loads nor tunes
             extra.setdefault("vision_tower", False)  # the tower (its prompts arrive without pixels)
-            # received image KV stays coded in its cache where the policy codes it on the wire (engine.coded_kv)
+            # received image KV stays coded in its cache where the policy codes it on the wire (engine.coded_kv) --
+            # on CPU workers, whose compiled attention reads the codes; a GPU worker would dequantize the batch's
+            # pages every layer and step (no GPU kernel yet), so it keeps them plain unless extra_engine says int8
             visual = (self.compression_policy() or {}).get("visual") or {}
-            extra.setdefault("visual_kv_cache", "plain" if visual.get("kind", "raw") == "raw" else "int8")
+            coded = visual.get("kind", "raw") != "raw" and self.gpus_per_worker == 0
+            extra.setdefault("visual_kv_cache", "int8" if coded else "plain")
         if role == "prefill":  # a prefill worker never decodes: no staging to reserve
             extra.pop("decode_mirror_tokens", None)
             slice_s = self.vision_slice(local_prefill)

@@ -102,6 +102,8 @@ def test_decode_workers_keep_image_kv_coded_where_the_policy_codes_it(tiny_model
     mine = ClusterSpec(model_dir=str(tiny_model_dir), kv_compression="default",
                        extra_engine={"visual_kv_cache": "plain"})
     assert mine.engine_config("decode")["visual_kv_cache"] == "plain"
+    gpu = ClusterSpec(model_dir=str(tiny_model_dir), kv_compression="default", gpus_per_worker=1)
+    assert gpu.engine_config("decode")["visual_kv_cache"] == "plain"  # no GPU kernel reads the codes yet
 
 
 def test_prefill_workers_can_take_their_own_step_budget(ray_cluster, tiny_model_dir):
