@@ -70,14 +70,15 @@ def prefix_summary(rows: list[dict]) -> dict:
 def kv_memory_summary(rows: list[dict]) -> dict:
     """KV bytes over the alive workers of :func:`status` ``rows``: ``pool_bytes`` (paged pools), ``mirror_bytes``
     (decode mirrors, :mod:`engine.decode_mirror`), ``state_bytes`` (hybrid models' GDN state slots) and
-    ``total_bytes``, everything attention reads; ``vision_cache_bytes``, the encoded images kept in blocks the pools
-    lend (:mod:`engine.vision_cache`: part of ``pool_bytes``)."""
+    ``total_bytes``, everything attention reads; the pools' regions, part of ``pool_bytes``: ``vision_cache_bytes``
+    (encoded images kept in blocks the pools lend, :mod:`engine.vision_cache`), ``text_kv_bytes`` (blocks sequences
+    hold, plain) and ``visual_kv_bytes`` (image KV kept coded, :mod:`engine.coded_kv`)."""
     alive = [r for r in rows if r["alive"]]
-    pool, mirror = sum(r.get("kv_pool_bytes", 0) for r in alive), sum(r.get("kv_mirror_bytes", 0) for r in alive)
-    state = sum(r.get("kv_state_bytes", 0) for r in alive)
-    vision = sum(r.get("vision_cache_bytes", 0) for r in alive)
-    return {"pool_bytes": pool, "mirror_bytes": mirror, "state_bytes": state, "total_bytes": pool + mirror + state,
-            "vision_cache_bytes": vision}
+    total = {key: sum(r.get(field, 0) for r in alive) for key, field in (
+        ("pool_bytes", "kv_pool_bytes"), ("mirror_bytes", "kv_mirror_bytes"), ("state_bytes", "kv_state_bytes"),
+        ("vision_cache_bytes", "vision_cache_bytes"), ("text_kv_bytes", "kv_text_bytes"),
+        ("visual_kv_bytes", "kv_visual_bytes"))}
+    return {**total, "total_bytes": total["pool_bytes"] + total["mirror_bytes"] + total["state_bytes"]}
 
 
 def expert_summary(router_rows: list[dict], decode_rows: list[dict] | None) -> dict | None:

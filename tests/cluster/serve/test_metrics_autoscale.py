@@ -60,7 +60,8 @@ class _FakeCluster:
         return [{"worker_id": "prefill-0", "role": "prefill", "alive": True, "outstanding_tokens": 300,
                  "waiting": 2, "running": 1, "free_blocks": 10, "kv_pool_bytes": 1000, "kv_mirror_bytes": 200},
                 {"worker_id": "decode-0", "role": "decode", "alive": True, "free_blocks": 75, "receiving": 1,
-                 "running": 3, "total_blocks": 100, "kv_pool_bytes": 4000, "kv_mirror_bytes": 3000},
+                 "running": 3, "total_blocks": 100, "kv_pool_bytes": 4000, "kv_mirror_bytes": 3000,
+                 "kv_text_bytes": 1500, "kv_visual_bytes": 700},
                 {"worker_id": "decode-1", "role": "decode", "alive": False, "total_blocks": 100}]
 
     def expert_summary(self) -> dict | None:
@@ -110,6 +111,8 @@ def test_cluster_series_from_snapshot():
     assert _value(text, "duet_kv_utilization", worker="decode-1") is None  # dead: no stale numbers
     assert _value(text, "duet_kv_pool_bytes", worker="decode-0") == 4000
     assert _value(text, "duet_kv_mirror_bytes", worker="decode-0") == 3000
+    assert _value(text, "duet_kv_text_bytes", worker="decode-0") == 1500  # the pool's regions
+    assert _value(text, "duet_kv_visual_bytes", worker="decode-0") == 700
     assert _value(text, "duet_kv_memory_bytes") == 8200  # everything attention reads, alive workers
     assert "duet_expert_" not in text  # no expert parallelism nor tiers: no series
     assert _value(text, "duet_worker_respawns_total", role="prefill") == 2

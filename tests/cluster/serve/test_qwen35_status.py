@@ -1,5 +1,6 @@
 """ClusterStatus (gRPC) of a hybrid model: GDN state bytes per worker and in total, its prefix cache's hit rate, and
-why prefix caching is off when it is (``state_snapshots=0``); each prefill worker's vision cache bytes."""
+why prefix caching is off when it is (``state_snapshots=0``); each prefill worker's vision cache bytes; each worker's
+pool regions (plain text KV, coded image KV)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,15 @@ def test_cluster_status_reports_each_workers_vision_cache_bytes():
     assert [w.vision_cache_bytes for w in st.workers] == [48, 0]
     assert st.kv_memory_bytes == 100 + 200 + 20  # the cache's blocks are part of the pool's bytes
     assert cluster_ops.kv_memory_summary(rows)["vision_cache_bytes"] == 48  # the HTTP status's kv_memory
+
+
+def test_cluster_status_reports_each_workers_pool_regions():
+    rows = [{"worker_id": "prefill-0", "role": "prefill", "alive": True, "kv_pool_bytes": 100, "kv_text_bytes": 30,
+             "kv_visual_bytes": 0},
+            {"worker_id": "decode-0", "role": "decode", "alive": True, "kv_pool_bytes": 200, "kv_text_bytes": 40,
+             "kv_visual_bytes": 60},
+            {"worker_id": "decode-1", "role": "decode", "alive": False, "kv_pool_bytes": 200, "kv_visual_bytes": 9}]
+    st = status_to_proto(_status(rows))
+    assert [(w.kv_text_bytes, w.kv_visual_bytes) for w in st.workers] == [(30, 0), (40, 60), (0, 9)]
+    summary = cluster_ops.kv_memory_summary(rows)  # the HTTP status's kv_memory: alive workers only
+    assert summary["text_kv_bytes"] == 70 and summary["visual_kv_bytes"] == 60 and summary["pool_bytes"] == 300
