@@ -122,3 +122,34 @@ def test_admission_by_the_bytes_it_will_be_stored_at(model_dir):
                 assert f"holds {7 * block_bytes:,} bytes" in str(err.value)
         assert not eng.requests and not eng.receiving and eng.block_manager.num_pages == 0
         assert_no_leaked_blocks(eng)
+
+
+def test_aborts_while_receiving_and_while_decoding_give_the_pages_back(model_dir):
+    reqs = prompts(model_dir)
+    pm = InprocManager()
+    pw = PrefillWorker(model_dir, EngineConfig(**CFG))
+    dw = DecodeWorker(model_dir, EngineConfig(**{**CFG, "visual_kv_cache": "int8"}), InprocManager())
+    p = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, r in enumerate(reqs):
+        pw.submit(f"r{i}", r, p, pm.sender(dw.allocate(f"r{i}", r, p)))
+    bm = dw.engine.block_manager
+    held = bm.num_pages
+    assert held > 0
+    assert dw.abort("r2") and pw.abort("r2", "aborted")  # still receiving: its pages go back at once
+    assert bm.num_pages < held
+    decoding = False
+    for _ in range(3000):
+        pw.step()
+        report = dw.step()
+        assert not report.failed
+        if not decoding and any(o.request_id == "r0" and len(o.outputs[0].token_ids) >= 3 for o in report.outputs):
+            assert dw.abort("r0")  # mid-decode
+            decoding = True
+        if decoding and not (pw.has_work() or dw.has_work()):
+            break
+        if not pw.has_work() and dw.receivers:
+            next(iter(dw.receivers.values())).wait(0.05)
+    assert decoding and not dw.engine.requests
+    assert bm.num_pages == 0
+    assert_no_leaked_blocks(dw.engine)
+    assert_no_leaked_blocks(pw.engine)
