@@ -96,6 +96,7 @@ class PrefillActor(WorkerActorBase):
                                  kv_pool_bytes=kv.pool_bytes, kv_mirror_bytes=kv.mirror_bytes,
                                  kv_state_bytes=kv.state_bytes, vision_cache_bytes=kv.vision_cache_bytes,
                                  kv_text_bytes=kv.text_kv_bytes, kv_visual_bytes=kv.visual_kv_bytes,
+                                 encoder_workspace_bytes=kv.workspace_bytes,
                                  vision_cache_entries=len(e.runner.vision_cache),
                                  prefix_cache_off=e.prefix_caching_off_reason,
                                  kv_refused=self.manager.refused(), kv_links_replaced=getattr(self.manager, "links_replaced", 0),

@@ -72,12 +72,13 @@ def kv_memory_summary(rows: list[dict]) -> dict:
     (decode mirrors, :mod:`engine.decode_mirror`), ``state_bytes`` (hybrid models' GDN state slots) and
     ``total_bytes``, everything attention reads; the pools' regions, part of ``pool_bytes``: ``vision_cache_bytes``
     (encoded images kept in blocks the pools lend, :mod:`engine.vision_cache`), ``text_kv_bytes`` (blocks sequences
-    hold, plain) and ``visual_kv_bytes`` (image KV kept coded, :mod:`engine.coded_kv`)."""
+    hold, plain) and ``visual_kv_bytes`` (image KV kept coded, :mod:`engine.coded_kv`); beside the pools,
+    ``encoder_workspace_bytes`` (the vision towers' reserves, :mod:`engine.workspace`)."""
     alive = [r for r in rows if r["alive"]]
     total = {key: sum(r.get(field, 0) for r in alive) for key, field in (
         ("pool_bytes", "kv_pool_bytes"), ("mirror_bytes", "kv_mirror_bytes"), ("state_bytes", "kv_state_bytes"),
         ("vision_cache_bytes", "vision_cache_bytes"), ("text_kv_bytes", "kv_text_bytes"),
-        ("visual_kv_bytes", "kv_visual_bytes"))}
+        ("visual_kv_bytes", "kv_visual_bytes"), ("encoder_workspace_bytes", "encoder_workspace_bytes"))}
     return {**total, "total_bytes": total["pool_bytes"] + total["mirror_bytes"] + total["state_bytes"]}
 
 

@@ -154,7 +154,8 @@ def status_to_proto(st: dict) -> pb.ClusterStatusResponse:
         cached_tokens=w.get("cached_tokens", 0), kv_pool_bytes=w.get("kv_pool_bytes", 0),
         kv_mirror_bytes=w.get("kv_mirror_bytes", 0), kv_state_bytes=w.get("kv_state_bytes", 0),
         vision_cache_bytes=w.get("vision_cache_bytes", 0), kv_text_bytes=w.get("kv_text_bytes", 0),
-        kv_visual_bytes=w.get("kv_visual_bytes", 0), prefix_cache_off=w.get("prefix_cache_off") or "",
+        kv_visual_bytes=w.get("kv_visual_bytes", 0), encoder_workspace_bytes=w.get("encoder_workspace_bytes", 0),
+        prefix_cache_off=w.get("prefix_cache_off") or "",
         healing=_HEALING.get(w.get("healing"), pb.WORKER_HEALING_UNSPECIFIED)) for w in st["workers"]]
     h = st["healing"]  # cluster.control.disagg.DisaggCluster.healing
     healing = pb.PoolHealing(prefill_respawns=h["respawns"]["prefill"], decode_respawns=h["respawns"]["decode"],

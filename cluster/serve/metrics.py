@@ -273,6 +273,8 @@ _WORKER_GAUGES = (  # stats field, metric, help, roles that report it
      ("prefill", "decode")),
     ("kv_visual_bytes", "duet_kv_visual_bytes",
      "Bytes of the pool lent as pages of coded image KV (visual_kv_cache int8; the elastic region)", ("decode",)),
+    ("encoder_workspace_bytes", "duet_encoder_workspace_bytes",
+     "Bytes of the budget kept for the vision tower's workspace (encoder_workspace_mb)", ("prefill",)),
 )
 
 

@@ -50,7 +50,7 @@ def test_cluster_status_reports_each_workers_vision_cache_bytes():
 
 def test_cluster_status_reports_each_workers_pool_regions():
     rows = [{"worker_id": "prefill-0", "role": "prefill", "alive": True, "kv_pool_bytes": 100, "kv_text_bytes": 30,
-             "kv_visual_bytes": 0},
+             "kv_visual_bytes": 0, "encoder_workspace_bytes": 25},
             {"worker_id": "decode-0", "role": "decode", "alive": True, "kv_pool_bytes": 200, "kv_text_bytes": 40,
              "kv_visual_bytes": 60},
             {"worker_id": "decode-1", "role": "decode", "alive": False, "kv_pool_bytes": 200, "kv_visual_bytes": 9}]
@@ -58,3 +58,4 @@ def test_cluster_status_reports_each_workers_pool_regions():
     assert [(w.kv_text_bytes, w.kv_visual_bytes) for w in st.workers] == [(30, 0), (40, 60), (0, 9)]
     summary = cluster_ops.kv_memory_summary(rows)  # the HTTP status's kv_memory: alive workers only
     assert summary["text_kv_bytes"] == 70 and summary["visual_kv_bytes"] == 60 and summary["pool_bytes"] == 300
+    assert st.workers[0].encoder_workspace_bytes == summary["encoder_workspace_bytes"] == 25

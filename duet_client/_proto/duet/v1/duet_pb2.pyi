@@ -392,7 +392,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self, api_version: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "alive", "waiting", "running", "receiving", "outstanding_tokens", "free_blocks", "total_blocks", "prompt_tokens", "cached_tokens", "kv_pool_bytes", "kv_mirror_bytes", "healing", "kv_state_bytes", "prefix_cache_off", "vision_cache_bytes", "kv_text_bytes", "kv_visual_bytes")
+    __slots__ = ("worker_id", "role", "alive", "waiting", "running", "receiving", "outstanding_tokens", "free_blocks", "total_blocks", "prompt_tokens", "cached_tokens", "kv_pool_bytes", "kv_mirror_bytes", "healing", "kv_state_bytes", "prefix_cache_off", "vision_cache_bytes", "kv_text_bytes", "kv_visual_bytes", "encoder_workspace_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +412,7 @@ class WorkerStatus(_message.Message):
     VISION_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TEXT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_VISUAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     alive: bool
@@ -431,7 +432,8 @@ class WorkerStatus(_message.Message):
     vision_cache_bytes: int
     kv_text_bytes: int
     kv_visual_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., alive: _Optional[bool] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., kv_mirror_bytes: _Optional[int] = ..., healing: _Optional[_Union[WorkerHealing, str]] = ..., kv_state_bytes: _Optional[int] = ..., prefix_cache_off: _Optional[str] = ..., vision_cache_bytes: _Optional[int] = ..., kv_text_bytes: _Optional[int] = ..., kv_visual_bytes: _Optional[int] = ...) -> None: ...
+    encoder_workspace_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., alive: _Optional[bool] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., kv_mirror_bytes: _Optional[int] = ..., healing: _Optional[_Union[WorkerHealing, str]] = ..., kv_state_bytes: _Optional[int] = ..., prefix_cache_off: _Optional[str] = ..., vision_cache_bytes: _Optional[int] = ..., kv_text_bytes: _Optional[int] = ..., kv_visual_bytes: _Optional[int] = ..., encoder_workspace_bytes: _Optional[int] = ...) -> None: ...
 
 class PoolHealing(_message.Message):
     __slots__ = ("prefill_respawns", "decode_respawns", "given_up", "respawning")
