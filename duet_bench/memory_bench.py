@@ -10,10 +10,12 @@ codec -> frames -> decode worker), the decode worker at ``--budget-mb`` (``kv_ca
   in coded pages lent from the same pool.
 
 Measured: **concurrent** -- how many one-image ``--side``² requests the decode worker admits at once with room left
-for each one's ``--tokens`` (preallocated until the pool refuses), then *run* at that concurrency through the pair:
-every request must complete with no preemption and no failure; **agreement** -- greedy tokens of ``unified``
-against ``static`` on the same requests; **tpot_ratio** -- unified / static time per output token at the static
-side's concurrency (rounds alternate which runs first; medians); **eight_1024_images** -- one request with eight
+for each one's ``--tokens`` (preallocated until the pool refuses), then *run* at that concurrency through the pair
+-- all allocated, prefilled and transferred, then decoded together: every request must complete with no preemption
+and no failure; **agreement** -- greedy tokens of ``unified``
+against ``static`` on ``--agreement-prompts`` other requests of ``--agreement-tokens`` (in batches the static side
+holds); **tpot_ratio** -- unified / static decode step time (a token for each
+request) with the static side's concurrency decoding together (rounds alternate which runs first; medians); **eight_1024_images** -- one request with eight
 ``--side``² images at a budget that fits it (it completes) and at one that does not (refused with the typed
 :class:`~engine.errors.RequestTooLargeError` naming the bytes; nothing reserved). Random weights: agreement is
 pessimistic. Prints a table, writes ``--json``.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import itertools
 import statistics
 import sys
 import time
@@ -45,7 +48,8 @@ SPEC = dataclasses.replace(QWEN_BENCH_SPEC, max_position_embeddings=16384)
 DEFAULT_BUDGET_MB, DEFAULT_SIDE, DEFAULT_TOKENS, DEFAULT_ROUNDS = 64, 1024, 16, 2
 MODES = {"static": (None, "plain"), "unified": ("default", "int8")}  # wire policy, decode cache
 PREFILL_BUDGET_GB = 0.5
-LEASE_S = 900.0  # the prefill worker's own pool: it computes an eight-image prompt plain
+LEASE_S = 900.0
+_ids = itertools.count()  # the prefill worker's own pool: it computes an eight-image prompt plain
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--side", type=int, default=DEFAULT_SIDE, help="square image side in pixels")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="tokens generated per request (greedy)")
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="TPOT rounds per side, alternating")
+    p.add_argument("--agreement-prompts", type=int, default=6, help="requests greedy agreement is measured on")
+    p.add_argument("--agreement-tokens", type=int, default=32, help="tokens each of them generates")
     p.add_argument("--json", default="bench_out/memory.json", help="where to write the results")
 
 
@@ -87,11 +93,11 @@ def make_pair(path: Path, mode: str, budget_bytes: int, max_len: int) -> LocalPa
     return pair
 
 
-def requests(prompts: QwenPrompts, side: int, n: int, images: int = 1) -> list[dict]:
+def requests(prompts: QwenPrompts, side: int, n: int, images: int = 1, first: int = 0) -> list[dict]:
     """``n`` prompts of ``images`` images each: different text and pixels per prompt (no prefix or vision-cache
-    reuse between them)."""
+    reuse between them); ``first``: where their variants start (other numbers, other prompts)."""
     out = []
-    for i in range(n):
+    for i in range(first, first + n):
         parts = [prompts.make(side, 1000 * i + j) for j in range(images)]
         ids = [t for p, _ in parts for t in p]
         out.append({"prompt_token_ids": ids, "multi_modal_data": {"image": [im for _, im in parts]}})
@@ -120,33 +126,41 @@ def capacity(pair: LocalPair, prompt: dict, tokens: int) -> int:
     return n
 
 
-def run(pair: LocalPair, reqs: list[dict], tokens: int) -> dict:
-    """``reqs`` at once through the pair: tokens, failures, preemptions, median TPOT, peak decode memory."""
+def run(pair: LocalPair, reqs: list[dict], tokens: int, timeout_s: float = 600.0) -> dict:
+    """``reqs`` held at once by the decode worker: every one allocated, then prefilled and transferred (the decode
+    worker not stepping meanwhile), then all decoded together. Returns their tokens, failures, preemptions, the
+    median decode step at full concurrency (``tpot_ms``: a step gives each request one token), the most requests
+    held, and the peak coded-page and mirror bytes."""
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    peak = {"pages": 0, "mirror": 0, "held": 0}
-    step = pair.decode.step
-
-    def watched_step():
-        report = step()
-        kv = pair.decode.engine.kv_memory()
-        peak["pages"] = max(peak["pages"], kv.visual_kv_bytes)
-        peak["mirror"] = max(peak["mirror"], kv.mirror_bytes)
-        peak["held"] = max(peak["held"], len(pair.decode.engine.requests))  # receiving or decoding, KV reserved
-        return report
-
-    pair.decode.step = watched_step
-    try:
-        outs, failed = pair.generate(reqs, params, window=len(reqs))
-    finally:
-        pair.decode.step = step
+    dw, pw = pair.decode, pair.prefill
+    rids = [f"mem-{next(_ids)}" for _ in reqs]
+    for rid, r in zip(rids, reqs, strict=True):
+        to_prefill, to_decode = pair.wire(r)
+        lease = dw.allocate(rid, to_decode, params)
+        pw.submit(rid, to_prefill, params, pair.prefill_manager.sender(lease, codec=pw.codec))
+    deadline = time.monotonic() + timeout_s
+    while pw.has_work() and time.monotonic() < deadline:
+        pw.step()
+    for receiver in list(dw.receivers.values()):
+        receiver.wait(max(0.0, deadline - time.monotonic()))
+    held = len(dw.engine.requests)
+    final, steps, pages, mirror = {}, [], 0, 0
+    while dw.has_work() and time.monotonic() < deadline:
+        full = len(dw.engine.scheduler.running) == len(reqs)
+        t0 = time.perf_counter()
+        report = dw.step()
+        if full:
+            steps.append(time.perf_counter() - t0)
+        kv = dw.engine.kv_memory()
+        pages, mirror = max(pages, kv.visual_kv_bytes), max(mirror, kv.mirror_bytes)
+        final.update({o.request_id: o for o in report.outputs if o.finished})
     pair.check_no_leaks()
-    done = [o for o in outs if o is not None]
-    tpots = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
-             for o in done if len(o.outputs[0].token_ids) > 1]
-    return {"tokens": [o.outputs[0].token_ids if o else [] for o in outs], "completed": len(done),
-            "failed": len(failed), "preemptions": sum(o.metrics.num_preemptions for o in done),
-            "tpot_ms": 1e3 * statistics.median(tpots) if tpots else None, "visual_kv_bytes_peak": peak["pages"],
-            "mirror_bytes_peak": peak["mirror"], "held_peak": peak["held"]}
+    done = [final[r] for r in rids if r in final]
+    return {"tokens": [final[r].outputs[0].token_ids if r in final else [] for r in rids], "completed": len(done),
+            "failed": len(rids) - len(done),
+            "preemptions": sum(o.metrics.num_preemptions for o in done),
+            "tpot_ms": 1e3 * statistics.median(steps) if steps else None, "visual_kv_bytes_peak": pages,
+            "mirror_bytes_peak": mirror, "held_peak": held}
 
 
 def eight_images(path: Path, prompts: QwenPrompts, side: int, tokens: int, max_len: int) -> dict:
@@ -224,17 +238,22 @@ def main(args: argparse.Namespace) -> dict:
             res[m]["tpot_ms_at_own"] = r["tpot_ms"]
         same = requests(prompts, args.side, max(1, res["static"]["concurrent"]))
         tp: dict[str, list[float]] = {m: [] for m in MODES}
-        toks: dict[str, list] = {}
+        toks: dict[str, list] = {m: [] for m in MODES}
+        others = requests(prompts, args.side, args.agreement_prompts, images=1, first=len(same) + 100)
+        batch = max(1, res["static"]["concurrent"])
+        for m in MODES:
+            for i in range(0, len(others), batch):
+                toks[m] += run(pairs[m], others[i:i + batch], args.agreement_tokens)["tokens"]
         for r in range(args.rounds):
             for m in (MODES if r % 2 == 0 else list(MODES)[::-1]):
                 out = run(pairs[m], same, args.tokens)
                 tp[m].append(out["tpot_ms"])
-                toks[m] = out["tokens"]
                 log(f"round {r}: {m} TPOT {out['tpot_ms']:.2f} ms at {len(same)} requests")
         for m in MODES:
             res[m]["tpot_ms"] = statistics.median(tp[m])
             res[m]["tpot_rounds_ms"] = tp[m]
         res["unified"]["agreement"] = agreement(toks["static"], toks["unified"])
+        res["unified"]["agreement_tokens"] = sum(len(t) for t in toks["static"])
         res["unified"]["tpot_ratio"] = res["unified"]["tpot_ms"] / res["static"]["tpot_ms"]
         res["unified"]["concurrent_ratio"] = res["unified"]["concurrent"] / max(1, res["static"]["concurrent"])
     finally:
