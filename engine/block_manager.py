@@ -130,6 +130,11 @@ class BlockManager:
         out = []
         for _ in range(n):
             self._reclaim_for_one()
+            if not self.unreferenced:  # the vision cache could not give back what it counted: undo, nothing taken
+                for bid in reversed(out):
+                    self.unreferenced[bid] = None
+                    self.unreferenced.move_to_end(bid, last=False)
+                return None
             out.append(self._pop_unreferenced())
         self.num_pages += n
         return out
@@ -155,7 +160,8 @@ class BlockManager:
             return False
         if coded is not None:
             pages = self.lend_pages(num_pages)
-            assert pages is not None, "checked above"
+            if pages is None:
+                return False
             coded.pages = pages
             seq.coded = coded
         if self.state_slots is not None and seq.state_slot is None:
@@ -163,9 +169,9 @@ class BlockManager:
         for i in range(total):
             if i in skip:
                 seq.block_table.append(-1)
-            else:
-                ok = self._take_one(seq)
-                assert ok, "checked above"
+            elif not self._take_one(seq):  # a count the vision cache could not honour: undo all of it
+                self.free(seq)
+                return False
         return True
 
     def give_back(self, blocks: list[int]) -> None:

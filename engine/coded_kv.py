@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 STAT_BYTES = 8  # float32 min and scale per statistic
+MAX_HEAD_DIM = 256  # PAGE_MAX_D in cpu_kernels.c: wider heads keep their image KV plain
 MODES = ("plain", "int8")
 
 
@@ -38,6 +39,8 @@ def page_capacity(block_size: int, head_dim: int, itemsize: int) -> int:
     >>> page_capacity(16, 64, 4), page_capacity(16, 128, 4), page_capacity(16, 128, 2)
     (56, 56, 24)
     """
+    if head_dim > MAX_HEAD_DIM:
+        return 0
     block = block_size * head_dim * itemsize
     return max(0, min(block // head_dim - STAT_BYTES, block // (head_dim + STAT_BYTES)))
 

@@ -639,7 +639,7 @@ static void coded_values(const float *const *p, const float *inv, int64_t G, con
    head h of q [B, H, D] (rows ldq floats apart) attends over that row's positions 0..pos[b] (its KV head is h / (H / KVH)), softmax in
    float32 with the running max subtracted. out [B, H, D]. With poff (else NULL), row b also attends over its coded
    pages poff[b] .. poff[b + 1] - 1 (coded_scores): page p holds pn[p] tokens in pool block pblk[p] of page_k /
-   page_v (the layer's pool, page_floats floats a block; PG tokens a page at most; D <= PAGE_MAX_D, H / KVH <= MAX_GROUP), one softmax
+   page_v (the layer's pool, page_floats floats a block; PG tokens a page at most; D <= PAGE_MAX_D), one softmax
    over both. scratch: B * H * lds floats (the scores; lds >= every pos[b] + 1 plus its coded tokens). With OpenMP
    the (sequence, KV head) pairs are shared among the threads when the step reads enough keys to pay for it. */
 void duet_decode_attention_f32(const float *q, int64_t ldq, const float *k_new, int64_t ldk, const float *v_new,
@@ -671,52 +671,55 @@ void duet_decode_attention_f32(const float *q, int64_t ldq, const float *k_new, 
     for (int64_t bj = 0; bj < B * KVH; bj++) {
         const int64_t b = bj / KVH, j = bj % KVH, L = pos[b] + 1;
         const float *kb = mirror_k + (slots[b] * KVH + j) * cap * D, *vb = mirror_v + (slots[b] * KVH + j) * cap * D;
-        const float *qh[MAX_GROUP];
-        float *sc[MAX_GROUP], *oh[MAX_GROUP], mx[MAX_GROUP], inv[MAX_GROUP];
-        int64_t nc = 0;
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t h = j * G + g;
-            qh[g] = q + b * ldq + h * D;
-            sc[g] = scratch + (b * H + h) * lds;
-            oh[g] = out + (b * H + h) * D;
-            if (D == 64) mx[g] = scores_4(qh[g], kb, L, scale, sc[g]);
-            else if (D == 128) mx[g] = scores_8(qh[g], kb, L, scale, sc[g]);
-            else {
-                mx[g] = -INFINITY;
-                for (int64_t i = 0; i < L; i++) {
-                    const float *ki = kb + i * D;
-                    vec acc = (vec){0};
-                    for (int64_t c = 0; c < dv; c += VW) acc += load(qh[g] + c) * load(ki + c);
-                    float s = hsum(acc);
-                    for (int64_t c = dv; c < D; c++) s += qh[g][c] * ki[c];
-                    s *= scale;
-                    sc[g][i] = s;
-                    if (s > mx[g]) mx[g] = s;
+        for (int64_t g0 = 0; g0 < G; g0 += MAX_GROUP) { /* a KV head's query heads, MAX_GROUP at a time */
+            const int64_t gn = G - g0 < MAX_GROUP ? G - g0 : MAX_GROUP;
+            const float *qh[MAX_GROUP];
+            float *sc[MAX_GROUP], *oh[MAX_GROUP], mx[MAX_GROUP], inv[MAX_GROUP];
+            int64_t nc = 0;
+            for (int64_t g = 0; g < gn; g++) {
+                const int64_t h = j * G + g0 + g;
+                qh[g] = q + b * ldq + h * D;
+                sc[g] = scratch + (b * H + h) * lds;
+                oh[g] = out + (b * H + h) * D;
+                if (D == 64) mx[g] = scores_4(qh[g], kb, L, scale, sc[g]);
+                else if (D == 128) mx[g] = scores_8(qh[g], kb, L, scale, sc[g]);
+                else {
+                    mx[g] = -INFINITY;
+                    for (int64_t i = 0; i < L; i++) {
+                        const float *ki = kb + i * D;
+                        vec acc = (vec){0};
+                        for (int64_t c = 0; c < dv; c += VW) acc += load(qh[g] + c) * load(ki + c);
+                        float s = hsum(acc);
+                        for (int64_t c = dv; c < D; c++) s += qh[g][c] * ki[c];
+                        s *= scale;
+                        sc[g][i] = s;
+                        if (s > mx[g]) mx[g] = s;
+                    }
                 }
             }
-        }
-        if (poff) {
-            float *csc[MAX_GROUP];
-            for (int64_t g = 0; g < G; g++) csc[g] = sc[g] + L;
-            coded_scores(qh, G, scale, page_k, page_floats, pblk, pn, poff[b], poff[b + 1], KVH, j, D, PG, csc, mx);
-            for (int64_t p = poff[b]; p < poff[b + 1]; p++) nc += pn[p];
-        }
-        for (int64_t g = 0; g < G; g++) {
-            inv[g] = 1.f / softmax_exp(sc[g], L + nc, mx[g]);
-            if (D == 64) weigh_values_4(sc[g], L, vb, inv[g], oh[g]);
-            else if (D == 128) weigh_values_8(sc[g], L, vb, inv[g], oh[g]);
-            else {
-                for (int64_t c = 0; c < D; c++) oh[g][c] = 0.f;
-                for (int64_t i = 0; i < L; i++) {
-                    const float p = sc[g][i] * inv[g], *vi = vb + i * D;
-                    for (int64_t c = 0; c < D; c++) oh[g][c] += p * vi[c];
+            if (poff) {
+                float *csc[MAX_GROUP];
+                for (int64_t g = 0; g < gn; g++) csc[g] = sc[g] + L;
+                coded_scores(qh, gn, scale, page_k, page_floats, pblk, pn, poff[b], poff[b + 1], KVH, j, D, PG, csc, mx);
+                for (int64_t p = poff[b]; p < poff[b + 1]; p++) nc += pn[p];
+            }
+            for (int64_t g = 0; g < gn; g++) {
+                inv[g] = 1.f / softmax_exp(sc[g], L + nc, mx[g]);
+                if (D == 64) weigh_values_4(sc[g], L, vb, inv[g], oh[g]);
+                else if (D == 128) weigh_values_8(sc[g], L, vb, inv[g], oh[g]);
+                else {
+                    for (int64_t c = 0; c < D; c++) oh[g][c] = 0.f;
+                    for (int64_t i = 0; i < L; i++) {
+                        const float p = sc[g][i] * inv[g], *vi = vb + i * D;
+                        for (int64_t c = 0; c < D; c++) oh[g][c] += p * vi[c];
+                    }
                 }
             }
-        }
-        if (poff) {
-            const float *csc[MAX_GROUP];
-            for (int64_t g = 0; g < G; g++) csc[g] = sc[g] + L;
-            coded_values(csc, inv, G, page_v, page_floats, pblk, pn, poff[b], poff[b + 1], KVH, j, D, PG, oh);
+            if (poff) {
+                const float *csc[MAX_GROUP];
+                for (int64_t g = 0; g < gn; g++) csc[g] = sc[g] + L;
+                coded_values(csc, inv, gn, page_v, page_floats, pblk, pn, poff[b], poff[b + 1], KVH, j, D, PG, oh);
+            }
         }
     }
 }

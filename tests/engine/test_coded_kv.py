@@ -22,6 +22,7 @@ def test_page_capacity_counts_statistics_and_codes():
     assert page_capacity(16, 128, 4) == 56 and page_capacity(16, 128, 2) == 24
     assert page_capacity(4, 128, 2) == 0  # a 16-bit block of 4 tokens cannot even hold the statistics
     assert page_capacity(8, 24, 4) == 24
+    assert page_capacity(16, 512, 4) == 0  # wider heads than the kernel reads keep their image KV plain
 
 
 def test_coded_blocks_are_whole_image_blocks():
@@ -94,7 +95,8 @@ def _reference(q, mk, mv, slots, lens, ref, kvh):
     return out
 
 
-SHAPES = [(64, 2, 8, 16), (128, 4, 8, 16), (16, 2, 4, 16), (24, 1, 2, 8)]  # D 16-multiples and not, GQA
+# D 16-multiples and not, GQA groups of 4, 2 and 80 (more than the kernel's 64 query heads a pass)
+SHAPES = [(64, 2, 8, 16), (128, 4, 8, 16), (16, 2, 4, 16), (24, 1, 2, 8), (16, 1, 80, 16)]
 
 
 @pytest.mark.skipif(LIB is None, reason="no C compiler")
