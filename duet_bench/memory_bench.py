@@ -1,24 +1,23 @@
-"""``duet bench memory --model qwen3-vl-moe``: one decode worker at one memory budget, today's static pool against
-the unified pool that keeps received image KV coded (:mod:`engine.coded_kv`).
+"""``duet bench memory --model qwen3-vl-moe``: one decode worker at one memory budget, today's static pool against the
+unified pool that keeps received image KV coded (:mod:`engine.coded_kv`).
 
 Both sides run the real data path in one process (:class:`~cluster.control.local_pair.LocalPair`: prefill worker ->
 codec -> frames -> decode worker), the decode worker at ``--budget-mb`` (``kv_cache_memory_gb``):
 
 * ``static``: ``kv_compression none``, ``visual_kv_cache plain`` -- every token plain in the pool (and again in the
   decode mirror while it decodes);
-* ``unified``: ``kv_compression default`` (visual int8 on the wire), ``visual_kv_cache int8`` -- the image blocks
-  in coded pages lent from the same pool.
+* ``unified``: ``kv_compression default`` (visual int8 on the wire), ``visual_kv_cache int8`` -- the image blocks in
+  coded pages lent from the same pool.
 
 Measured: **concurrent** -- how many one-image ``--side``² requests the decode worker admits at once with room left
-for each one's ``--tokens`` (preallocated until the pool refuses), then *run* at that concurrency through the pair
--- all allocated, prefilled and transferred, then decoded together: every request must complete with no preemption
-and no failure; **agreement** -- greedy tokens of ``unified``
-against ``static`` on ``--agreement-prompts`` other requests of ``--agreement-tokens`` (in batches the static side
-holds); **tpot_ratio** -- unified / static decode step time (a token for each
-request) with the static side's concurrency decoding together (rounds alternate which runs first; medians); **eight_1024_images** -- one request with eight
-``--side``² images at a budget that fits it (it completes) and at one that does not (refused with the typed
-:class:`~engine.errors.RequestTooLargeError` naming the bytes; nothing reserved). Random weights: agreement is
-pessimistic. Prints a table, writes ``--json``.
+for each one's ``--tokens`` (preallocated until the pool refuses), then *run* at that concurrency through the pair --
+all allocated, prefilled and transferred, then decoded together: every request must complete with no preemption and
+no failure; **agreement** -- greedy tokens of ``unified`` against ``static`` on ``--agreement-prompts`` other
+requests of ``--agreement-tokens`` (in batches the static side holds); **tpot_ratio** -- unified / static decode step
+time (a token for each request) with the static side's concurrency decoding together (rounds alternate which runs
+first; medians); **eight_1024_images** -- one request with eight ``--side``² images at a budget that fits it (it
+completes) and at one that does not (refused with the typed :class:`~engine.errors.RequestTooLargeError` naming the
+bytes; nothing reserved). Random weights: agreement is pessimistic. Prints a table, writes ``--json``.
 """
 
 from __future__ import annotations
@@ -211,8 +210,8 @@ def table(res: dict) -> str:
     rows = [[name, str(r["concurrent"]), str(r["held_peak"]), f"{r['completed']}/{r['concurrent']}", str(r["failed"]),
              str(r["preemptions"]), fmt(r["tpot_ms"], 2), fmt(r["mirror_bytes_peak"] / 2**20),
              fmt(r["visual_kv_bytes_peak"] / 2**20)] for name, r in (("static", s), ("unified", u))]
-    return format_table(["pool", "concurrent", "held at once", "completed", "failed", "preempted", "TPOT ms", "mirror MiB",
-                         "pages MiB"], rows)
+    return format_table(["pool", "concurrent", "held at once", "completed", "failed", "preempted", "TPOT ms",
+                         "mirror MiB", "pages MiB"], rows)
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -229,7 +228,8 @@ def main(args: argparse.Namespace) -> dict:
     pairs = {m: make_pair(path, m, budget, one_len) for m in MODES}
     try:
         for m, pair in pairs.items():
-            res[m] = {"concurrent": capacity(pair, one, args.tokens), "pool_bytes": pair.decode.engine.kv_memory().pool_bytes}
+            res[m] = {"concurrent": capacity(pair, one, args.tokens),
+                      "pool_bytes": pair.decode.engine.kv_memory().pool_bytes}
             log(f"{m}: {res[m]['concurrent']} concurrent {args.side}² requests at {args.budget_mb:g} MiB")
         for m, pair in pairs.items():  # held at once, for real
             r = run(pair, requests(prompts, args.side, res[m]["concurrent"]), args.tokens)

@@ -1,15 +1,14 @@
-"""Admission by bytes: what a request costs an engine's one memory budget, and the typed refusal when it can never
-fit.
+"""Admission by bytes: what a request costs an engine's one memory budget, and the typed refusal when it can never fit.
 
 An engine's budget (``kv_cache_memory_gb``) is its block pool: plain KV blocks (text, and every block of a prompt
 computed here), and the elastic region lent out of the same blocks -- cached image features
 (:mod:`engine.vision_cache`) and coded visual pages (:mod:`engine.coded_kv`) -- which never takes the pool's last
 ``text_kv_floor`` share; and, on an engine with a vision tower, a reserve for the tower's workspace
-(``encoder_workspace_mb``; :func:`engine.workspace.encoder_reserve`) taken off before the pool is sized: a prompt's images are
-encoded in as many tower calls as keep within it, and an image that alone needs more is refused. A received prompt
-on a ``visual_kv_cache="int8"`` engine costs its plain blocks plus its pages; anything else costs its plain blocks.
-Over what the pool can *ever* give: :class:`RequestTooLargeError` naming the bytes, nothing reserved. Over what is
-free *now*: the caller's retry error (``OutOfBlocksError``).
+(``encoder_workspace_mb``; :func:`engine.workspace.encoder_reserve`) taken off before the pool is sized: a prompt's
+images are encoded in as many tower calls as keep within it, and an image that alone needs more is refused. A
+received prompt on a ``visual_kv_cache="int8"`` engine costs its plain blocks plus its pages; anything else costs its
+plain blocks. Over what the pool can *ever* give: :class:`RequestTooLargeError` naming the bytes, nothing reserved.
+Over what is free *now*: the caller's retry error (``OutOfBlocksError``).
 """
 
 from __future__ import annotations

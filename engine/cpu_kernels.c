@@ -624,7 +624,11 @@ static void coded_values(const float *const *p, const float *inv, int64_t G, con
             for (int64_t g = 0; g < G; g++) {
                 const float *pg = p[g] + off + t;
                 float b = 0.f;
-                for (int64_t i = 0; i < n; i++) { const float x = pg[i] * inv[g]; w[i] = x * sv[t + i]; b += x * mn[t + i]; }
+                for (int64_t i = 0; i < n; i++) {
+                    const float x = pg[i] * inv[g];
+                    w[i] = x * sv[t + i];
+                    b += x * mn[t + i];
+                }
                 chunk_values(w, cf, n, D, oh[g]);
                 for (int64_t c = 0; c < D; c++) oh[g][c] += b;
             }
@@ -633,15 +637,16 @@ static void coded_values(const float *const *p, const float *inv, int64_t G, con
     }
 }
 
-/* Decode attention, one query token per sequence. For each b < B: its keys and values k_new[b], v_new[b]
-   [KVH, D] (rows ldk / ldv floats apart) are written at position pos[b] of mirror row slots[b] (mirror_k / mirror_v [S, KVH, cap, D]) and, when
-   pool_k is not NULL, at pool slot pool_slots[b] of the paged pool (pool_k / pool_v [*, KVH, D]); then each query
-   head h of q [B, H, D] (rows ldq floats apart) attends over that row's positions 0..pos[b] (its KV head is h / (H / KVH)), softmax in
-   float32 with the running max subtracted. out [B, H, D]. With poff (else NULL), row b also attends over its coded
-   pages poff[b] .. poff[b + 1] - 1 (coded_scores): page p holds pn[p] tokens in pool block pblk[p] of page_k /
-   page_v (the layer's pool, page_floats floats a block; PG tokens a page at most; D <= PAGE_MAX_D), one softmax
-   over both. scratch: B * H * lds floats (the scores; lds >= every pos[b] + 1 plus its coded tokens). With OpenMP
-   the (sequence, KV head) pairs are shared among the threads when the step reads enough keys to pay for it. */
+/* Decode attention, one query token per sequence. For each b < B: its keys and values k_new[b], v_new[b] [KVH, D]
+   (rows ldk / ldv floats apart) are written at position pos[b] of mirror row slots[b] (mirror_k / mirror_v [S,
+   KVH, cap, D]) and, when pool_k is not NULL, at pool slot pool_slots[b] of the paged pool (pool_k / pool_v [*,
+   KVH, D]); then each query head h of q [B, H, D] (rows ldq floats apart) attends over that row's positions
+   0..pos[b] (its KV head is h / (H / KVH)), softmax in float32 with the running max subtracted. out [B, H, D].
+   With poff (else NULL), row b also attends over its coded pages poff[b] .. poff[b + 1] - 1 (coded_scores): page
+   p holds pn[p] tokens in pool block pblk[p] of page_k / page_v (the layer's pool, page_floats floats a block; PG
+   tokens a page at most; D <= PAGE_MAX_D), one softmax over both. scratch: B * H * lds floats (the scores; lds >=
+   every pos[b] + 1 plus its coded tokens). With OpenMP the (sequence, KV head) pairs are shared among the threads
+   when the step reads enough keys to pay for it. */
 void duet_decode_attention_f32(const float *q, int64_t ldq, const float *k_new, int64_t ldk, const float *v_new,
                                int64_t ldv, float *mirror_k, float *mirror_v, const int64_t *slots,
                                const int64_t *pos, float *pool_k, float *pool_v, const int64_t *pool_slots, int64_t B,

@@ -104,7 +104,8 @@ class ModelRunner:
         """Compute image features for sequences scheduled for the first time, reusing cached encodings (and
         ``fresh``: encodings just made, which an image too large to cache is only in). The distinct images not
         cached are encoded together (Qwen3-VL images of any sizes in one call, each attending only within itself),
-        in as few tower calls as keep within the workspace (:func:`engine.workspace.workspace_groups`). Cached entries are taken before the call, so what it adds to the cache cannot push them out."""
+        in as few tower calls as keep within the workspace (:func:`engine.workspace.workspace_groups`). Cached
+        entries are taken before the calls, so what they add to the cache cannot push them out."""
         have = dict(fresh or {})
         todo: dict[bytes, tuple[Sequence, int]] = {}  # one encoding per distinct image, however often it appears
         waiting: list[Sequence] = []  # the requests that wait for this step's tower call (its time is theirs)
