@@ -109,20 +109,21 @@ def capacity(pair: LocalPair, prompt: dict, tokens: int) -> int:
     bm = eng.block_manager
     per_request = -(-tokens // bm.block_size) + 1
     wire = pair.wire(prompt)[1]
-    held = []
+    held: list[str] = []
     while True:
+        rid = f"cap-{len(held)}"
         try:
-            eng.preallocate(f"cap-{len(held)}", wire, SamplingParams(max_tokens=tokens))
+            eng.preallocate(rid, wire, SamplingParams(max_tokens=tokens))
         except (OutOfBlocksError, RequestTooLargeError):
             break
-        held.append(f"cap-{len(held)}")
-        if bm.num_free_blocks < len(held) * per_request:
+        if bm.num_free_blocks < (len(held) + 1) * per_request:  # no room left for every one's tokens
+            eng.release_prefill(rid)
             break
-    n = len(held) - (bm.num_free_blocks < len(held) * per_request)
+        held.append(rid)
     for rid in held:
         eng.release_prefill(rid)
     bm.check_no_leaks()
-    return n
+    return len(held)
 
 
 def run(pair: LocalPair, reqs: list[dict], tokens: int, timeout_s: float = 600.0) -> dict:

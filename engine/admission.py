@@ -60,4 +60,4 @@ def check_local(engine: Any, seq: Sequence) -> None:
     """A prompt an engine computes itself (:meth:`engine.llm_engine.LLMEngine.make_sequence`): its KV, every block
     plain, within the pool, and each image within the tower's workspace."""
     check_fits(engine.block_manager, engine.runner.block_bytes, seq, seq.num_tokens + 1)
-    check_workspace(seq, engine.model_config, engine.workspace, engine.dtype.itemsize)  # engine.workspace
+    check_workspace(seq, engine.model_config, engine.workspace, engine.dtype.itemsize)

@@ -131,30 +131,20 @@ class BlockManager:
         for _ in range(n):
             self._reclaim_for_one()
             if not self.unreferenced:  # the vision cache could not give back what it counted: undo, nothing taken
-                for bid in reversed(out):
-                    self.unreferenced[bid] = None
-                    self.unreferenced.move_to_end(bid, last=False)
+                self._free_blocks(reversed(out))
                 return None
             out.append(self._pop_unreferenced())
         self.num_pages += n
         return out
 
-    def _release_coded(self, coded: CodedKV) -> None:
-        coded.refs -= 1
-        if coded.refs == 0:
-            for bid in coded.pages:
-                self.unreferenced[bid] = None
-                self.unreferenced.move_to_end(bid, last=False)
-            self.num_pages -= len(coded.pages)
-            coded.pages = []
-
-    def allocate_received(self, seq: Sequence, coded: CodedKV | None, num_tokens: int, num_pages: int) -> bool:
+    def allocate_received(self, seq: Sequence, coded: CodedKV | None, num_tokens: int, num_pages: int,
+                          spare_tokens: int = 0) -> bool:
         """Blocks for a received prompt of ``num_tokens`` (``seq`` holds none yet): plain blocks except at
         ``coded.blocks`` (``-1`` in the table), whose tokens go into ``num_pages`` new pages. False, nothing taken,
-        when the pool cannot hold it now."""
+        when the pool cannot hold it now, with room left for ``spare_tokens`` more (checked, not taken)."""
         total = -(-num_tokens // self.block_size)
         skip = set() if coded is None else set(coded.blocks.tolist())
-        plain = total - len(skip)
+        plain = -(-(num_tokens + spare_tokens) // self.block_size) - len(skip)
         if plain + num_pages > self.num_free_blocks or not self._has_state_slot(seq) \
                 or (num_pages and not self._elastic_room(num_pages)):
             return False
@@ -176,11 +166,15 @@ class BlockManager:
 
     def give_back(self, blocks: list[int]) -> None:
         """Return lent blocks; they are free again."""
+        assert all(b not in self.unreferenced and self.blocks[b].ref_count == 0 for b in blocks), "a block not lent"
+        self._free_blocks(blocks)
+        self.num_lent -= len(blocks)
+
+    def _free_blocks(self, blocks) -> None:
+        """Blocks no sequence holds nor hashes, back at the front of the queue (handed out first)."""
         for bid in blocks:
-            assert bid not in self.unreferenced and self.blocks[bid].ref_count == 0, f"block {bid} was not lent"
             self.unreferenced[bid] = None
             self.unreferenced.move_to_end(bid, last=False)
-        self.num_lent -= len(blocks)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
@@ -366,8 +360,12 @@ class BlockManager:
                 if block.hash is None:
                     self.unreferenced.move_to_end(bid, last=False)
         seq.block_table = []
-        if seq.coded is not None:
-            self._release_coded(seq.coded)
+        if seq.coded is not None:  # its last holder gives the pages back
+            seq.coded.refs -= 1
+            if seq.coded.refs == 0:
+                self._free_blocks(seq.coded.pages)
+                self.num_pages -= len(seq.coded.pages)
+                seq.coded.pages = []
             seq.coded = None
         if seq.state_restore is not None:
             self.snapshots.unpin(seq.state_restore)

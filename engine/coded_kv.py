@@ -22,6 +22,7 @@ the batch's pages per layer (a fallback: correct, not fast).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -68,14 +69,10 @@ class CodedKV:
     refs: int = 1
     dropped: dict[int, np.ndarray] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
-        """Tokens the pages hold (its coded blocks' positions)."""
+        """Tokens the pages hold (its coded blocks' positions; read every decode step, counted once)."""
         return sum(self.counts)
-
-    def positions(self) -> np.ndarray:
-        """Prompt position of each coded token, in page order."""
-        return (self.blocks[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
 
     def split(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Prompt ``positions`` as (coded token indices, mirror indices of the plain rest): a plain position's
@@ -174,7 +171,6 @@ class CodedRows:
     blk: torch.Tensor
     n: torch.Tensor
     capacity: int
-    head_dim: int
     max_keys: int
     rows: list[CodedKV | None]
     _gather: tuple | None = None
@@ -184,26 +180,22 @@ class CodedRows:
         tensor, each token's flat ``page * capacity + slot`` in them, its row and its column in the row's coded keys,
         the most coded keys of a row, and the additive mask ``[B, 1, 1, most]`` (0 where a row has a token)."""
         if self._gather is None:
-            src, row, col, base = [], [], [], 0
-            for i, c in enumerate(self.rows):
-                n = 0 if c is None else len(c.pages)
-                if c is not None:
-                    src.append(base * self.capacity + _token_index(c.counts, self.capacity))
+            src, row, col = [], [], []
+            most = max(c.num_tokens for c in self.rows if c is not None)
+            mask = torch.full((len(self.rows), 1, 1, most), float("-inf"), dtype=dtype, device=device)
+            for i, (c, first) in enumerate(zip(self.rows, self.off.tolist(), strict=False)):
+                if c is not None:  # its pages start at ``first`` in ``blk``
+                    src.append(first * self.capacity + _token_index(c.counts, self.capacity))
                     row.append(np.full(c.num_tokens, i))
                     col.append(np.arange(c.num_tokens))
-                base += n
-            most = max((c.num_tokens for c in self.rows if c is not None), default=0)
-            mask = torch.full((len(self.rows), 1, 1, most), float("-inf"), dtype=dtype, device=device)
-            for i, c in enumerate(self.rows):
-                if c is not None:
                     mask[i, ..., :c.num_tokens] = 0
             as_t = lambda parts: torch.from_numpy(np.concatenate(parts)).to(device)  # noqa: E731
             self._gather = (self.blk.to(device), as_t(src), as_t(row), as_t(col), most, mask)
         return self._gather
 
 
-def coded_rows(coded: list[CodedKV | None], plain_lens: list[int], capacity: int, head_dim: int) -> CodedRows | None:
-    """The step's :class:`CodedRows` (None when no row has coded pages)."""
+def coded_rows(coded: list[CodedKV | None], plain_lens: np.ndarray, capacity: int) -> CodedRows | None:
+    """The step's :class:`CodedRows` (None when no row has coded pages; ``plain_lens``: each row's mirror keys)."""
     if all(c is None for c in coded):
         return None
     off, blk, n = [0], [], []
@@ -212,9 +204,9 @@ def coded_rows(coded: list[CodedKV | None], plain_lens: list[int], capacity: int
             blk += c.pages
             n += c.counts
         off.append(len(blk))
-    most = max(lens + (c.num_tokens if c else 0) for lens, c in zip(plain_lens, coded, strict=True))
+    most = max(lens + (c.num_tokens if c else 0) for lens, c in zip(plain_lens.tolist(), coded, strict=True))
     as_t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    return CodedRows(as_t(off), as_t(blk), as_t(n), capacity, head_dim, most, coded)
+    return CodedRows(as_t(off), as_t(blk), as_t(n), capacity, most, coded)
 
 
 def attend_torch(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, mask: torch.Tensor, rows: CodedRows,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from engine.coded_kv import MODES as CODED_MODES
 from engine.errors import CheckpointError, InvalidRequestError
 from engine.models.llava.config import VisionConfig
 from engine.models.qwen3_vl.config import QwenVisionConfig
@@ -156,7 +157,6 @@ def parse_text_config(t: dict) -> TextConfig:
     return model_family(t.get("model_type"), text=True).parse_text_config(t)
 
 
-VISUAL_KV_MODES = ("plain", "int8")  # engine.coded_kv.MODES
 VISION_CACHE_SHARE = 0.1  # of kv_cache_memory_gb, for the vision cache unless vision_cache_mb is set
 
 
@@ -240,8 +240,8 @@ class EngineConfig:
             raise ValueError("vision_cache_mb must be >= 0 (or None)")
         if self.decode_mirror_tokens is not None and self.decode_mirror_tokens < 1:
             raise ValueError("decode_mirror_tokens must be >= 1 (or None)")
-        if self.visual_kv_cache not in VISUAL_KV_MODES:
-            raise ValueError(f"visual_kv_cache must be one of {list(VISUAL_KV_MODES)}, got {self.visual_kv_cache!r}")
+        if self.visual_kv_cache not in CODED_MODES:
+            raise ValueError(f"visual_kv_cache must be one of {list(CODED_MODES)}, got {self.visual_kv_cache!r}")
         if isinstance(self.text_kv_floor, bool) or not isinstance(self.text_kv_floor, (int, float)) \
                 or not 0 <= self.text_kv_floor <= 1:
             raise ValueError(f"text_kv_floor must be a number in [0, 1], got {self.text_kv_floor!r}")

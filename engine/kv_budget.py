@@ -71,7 +71,7 @@ def plan_pool(c: EngineConfig, t: TextConfig, dtype: torch.dtype, num_state_slot
     max_len = c.max_model_len or min(limit, 4096)
     mirror_tokens = min(c.decode_mirror_tokens, max_len) if c.decode_mirror_tokens else None
     per_token = t.kv_bytes_per_token(dtype)
-    state = num_state_slots * t.state_bytes_per_seq(dtype) + workspace  # off the budget beside the mirror
+    state = num_state_slots * t.state_bytes_per_seq(dtype)
     per_block = per_token * c.block_size
     blocks_per_seq = -(-max_len // c.block_size)
     budget: int | None = None
@@ -80,13 +80,15 @@ def plan_pool(c: EngineConfig, t: TextConfig, dtype: torch.dtype, num_state_slot
     else:
         budget = int(c.kv_cache_memory_gb * 2**30)
         mirror = reserved_bytes(c.max_num_seqs, per_token, mirror_tokens)
+        state += workspace  # both off the budget beside the mirror, before the pool
         by_memory = max(0, budget - mirror - state) // per_block
         # coded image KV (visual_kv_cache int8) admits by the bytes a prompt will be stored at: no floor of one
         # full-length plain sequence (which could put the pool far over its budget), one block at least
         floor = blocks_per_seq if c.visual_kv_cache == "plain" else 1
         num_blocks = max(floor, min(by_memory, blocks_per_seq * c.max_num_seqs))
         if num_blocks * per_block + mirror + state > budget:
-            logger.warning("kv_cache_memory_gb=%g holds %d KV blocks after the decode mirror's %.1f MiB; "
+            logger.warning("kv_cache_memory_gb=%g holds %d KV blocks after the decode mirror's %.1f MiB (and any "
+                           "state slots and tower workspace); "
                            "allocating %d (one %d-token sequence): %.1f MiB over budget", c.kv_cache_memory_gb,
                            by_memory, mirror / 2**20, num_blocks, max_len,
                            (num_blocks * per_block + mirror + state - budget) / 2**20)

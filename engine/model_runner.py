@@ -252,7 +252,7 @@ class ModelRunner:
             layer_masks = None
             if self.mirror.has_drops(seq_ids):  # else the mask is built only if a layer reads it
                 layer_masks = self.mirror.layer_masks(seq_ids, slots_t, decode_mask(lens_t, max_len, self.dtype))
-            rows = coded_rows(coded, lens.tolist(), self.page_capacity, self.pool[0][0].shape[-1])
+            rows = coded_rows(coded, lens, self.page_capacity)
             decode = DecodeBatch(slots_t, lens_t - 1, max_len, dense, None, layer_masks, rows)
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev), prefills=spans,
                                  num_prefill_tokens=num_prefill, decode=decode, query_window=self.query_window)

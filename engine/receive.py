@@ -41,8 +41,7 @@ class ReceiveMixin:
         bm = self.block_manager
         coded, pages = plan_received(self.config.visual_kv_cache, self.runner.page_capacity, seq)
         check_fits(bm, self.runner.block_bytes, seq, seq.num_tokens + extra, coded, pages)
-        plain = -(-(seq.num_tokens + extra) // bm.block_size) - (len(coded.blocks) if coded is not None else 0)
-        if plain + pages > bm.num_free_blocks or not bm.allocate_received(seq, coded, seq.num_tokens, pages):
+        if not bm.allocate_received(seq, coded, seq.num_tokens, pages, spare_tokens=extra):
             raise OutOfBlocksError(f"{seq.num_tokens}-token prompt does not fit the free KV blocks now")
         seq.status = SequenceStatus.RECEIVING
         self.requests[request_id] = seq

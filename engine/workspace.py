@@ -26,9 +26,11 @@ WORKSPACE_ROWS = 6
 
 def image_patches(cfg: Any, mm: Any, i: int) -> int:
     """Patches the vision tower sees for image ``i`` of ``mm`` (its Qwen grid, or a LLaVA tower's fixed count)."""
-    if mm.grid_thw is not None:
-        return int(np.prod(mm.grid_thw[i]))
-    v = cfg.vision
+    return int(np.prod(mm.grid_thw[i])) if mm.grid_thw is not None else _fixed_patches(cfg.vision)
+
+
+def _fixed_patches(v: Any) -> int:
+    """A LLaVA tower's patches for its one image size (and its class token)."""
     return (v.image_size // v.patch_size) ** 2 + (1 if v.has_cls_token else 0)
 
 
@@ -56,7 +58,7 @@ def encoder_reserve(c: Any, cfg: Any, image_processor: Any, dtype: Any, tower: A
         merge = cfg.vision.spatial_merge_size
         patches = max(image_processor.max_pixels // (patch * patch), c.max_num_batched_tokens * merge * merge)
     else:  # LLaVA: every image is one size
-        one = (cfg.vision.image_size // cfg.vision.patch_size) ** 2 + 1
+        one = _fixed_patches(cfg.vision)
         patches = one * max(1, c.max_num_batched_tokens // one)
     return workspace_bytes(cfg, patches, dtype.itemsize)
 

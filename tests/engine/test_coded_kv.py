@@ -73,7 +73,7 @@ def _case(d, kvh, h, bs, lens, coded_counts, seed=0):
         rows.append(CodedKV(np.arange(0), pages, counts, bs))
         ref.append(read_pages(pk, pv, pages, counts, g, kvh, d))
     b = len(lens)
-    cr = coded_rows(rows, lens, g, d)
+    cr = coded_rows(rows, np.array(lens), g)
     cr.max_keys = max(length + n for length, n in zip(lens, coded_counts, strict=True))
     mk, mv = torch.randn(2, b + 1, kvh, 80, d, generator=gen).unbind(0)
     q, kn, vn = torch.randn(b, h, d, generator=gen), torch.randn(b, kvh, d, generator=gen), torch.randn(b, kvh, d, generator=gen)

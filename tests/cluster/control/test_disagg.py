@@ -94,18 +94,6 @@ def test_prefill_workers_run_the_vision_tower_in_slices_by_default(tiny_model_di
     assert keep.engine_config("decode")["vision_tower"] is True  # kept where the config asks for it
 
 
-def test_decode_workers_keep_image_kv_coded_where_the_policy_codes_it(tiny_model_dir):
-    for policy, cache in (("none", "plain"), ("default", "int8"), ("aggressive", "int8")):
-        spec = ClusterSpec(model_dir=str(tiny_model_dir), kv_compression=policy)
-        assert spec.engine_config("decode")["visual_kv_cache"] == cache
-        assert "visual_kv_cache" not in spec.engine_config("prefill")  # it prefills plain, codes at export
-    mine = ClusterSpec(model_dir=str(tiny_model_dir), kv_compression="default",
-                       extra_engine={"visual_kv_cache": "plain"})
-    assert mine.engine_config("decode")["visual_kv_cache"] == "plain"
-    gpu = ClusterSpec(model_dir=str(tiny_model_dir), kv_compression="default", gpus_per_worker=1)
-    assert gpu.engine_config("decode")["visual_kv_cache"] == "plain"  # no GPU kernel reads the codes yet
-
-
 def test_prefill_workers_can_take_their_own_step_budget(ray_cluster, tiny_model_dir):
     spec = ClusterSpec(model_dir=str(tiny_model_dir), max_num_batched_tokens=4096, prefill_max_batched_tokens=1100)
     assert spec.engine_config("prefill")["max_num_batched_tokens"] == 1100
