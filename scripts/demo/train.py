@@ -16,7 +16,8 @@ transformers 5 saves (config, safetensors, tokenizer, ``preprocessor_config.json
 trains data-parallel in two one-thread processes: a step took 0.49 s against 0.62 s in one process of two threads
 (AMD EPYC, 2 cores), the small matrix products and the Python work of a step running on both cores at once; the
 shipped checkpoint is the default, one process of two threads (other worker counts give other, equally trained,
-weights).
+weights). ``--precision bfloat16`` (or ``auto``: where the CPU multiplies bfloat16 natively) and ``--ema D`` (save a
+moving average of the weights): :mod:`scripts.demo.speed`.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ import json
 import math
 import random
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from duet_testing.demo_tasks import Conversation, Example, make_conversation
 from scripts.demo.probes import MatchProbe, TokenProbe, asked_shape, centre_token
+from scripts.demo.speed import PRECISIONS, WeightAverage, resolve_precision, use_fp32_attention
 from scripts.demo.tokenizer import (
     ENDOFTEXT,
     IM_END,
@@ -208,13 +211,14 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 def train(out: Path, *, steps: int, seed: int = 0, batch_size: int = 32, lr: float = 3e-3, log_every: int = 20,
           progress: bool = True, save: bool = True, checkpoint_every: int = 0,
-          probe_weight: float = PROBE_WEIGHT, match_weight: float = MATCH_WEIGHT, workers: int = 1
-          ) -> torch.nn.Module | None:
+          probe_weight: float = PROBE_WEIGHT, match_weight: float = MATCH_WEIGHT, workers: int = 1,
+          precision: str = "float32", ema: float = 0.0) -> torch.nn.Module | None:
     """Train and (``save``) write the checkpoint to ``out``. ``workers`` > 1 runs that many processes of one thread
     each, data-parallel (each takes every ``workers``-th conversation of a step's batch, ordered by image area; the
     gradients are averaged over gloo), and returns None; one worker returns the trained model."""
     kw = dict(steps=steps, seed=seed, batch_size=batch_size, lr=lr, log_every=log_every, progress=progress,
-              save=save, checkpoint_every=checkpoint_every, probe_weight=probe_weight, match_weight=match_weight)
+              save=save, checkpoint_every=checkpoint_every, probe_weight=probe_weight, match_weight=match_weight,
+              precision=precision, ema=ema)
     if workers <= 1:
         return _train(out, rank=0, workers=1, **kw)
     import tempfile
@@ -265,20 +269,25 @@ def _mean_parts(loss: float, parts: dict[str, float], workers: int) -> tuple[flo
 
 
 def _train(out: Path, *, rank: int, workers: int, steps: int, seed: int, batch_size: int, lr: float, log_every: int,
-           progress: bool, save: bool, checkpoint_every: int, probe_weight: float, match_weight: float
-           ) -> torch.nn.Module:
+           progress: bool, save: bool, checkpoint_every: int, probe_weight: float, match_weight: float,
+           precision: str, ema: float) -> torch.nn.Module:
     lead = rank == 0
     tok = train_tokenizer()
     ids = {t: tok.token_to_id(t) for t in QWEN_SPECIAL_TOKENS}
     proc = image_processor()
     model = build_model(tok, seed)
     linear_patch_embed(model)
+    precision = resolve_precision(precision)
+    bf16 = precision == "bfloat16"
+    if bf16:
+        use_fp32_attention(model)
     model.train()
     hidden = model.config.text_config.hidden_size
     probe = TokenProbe(hidden) if probe_weight > 0 else None
     match = MatchProbe(hidden) if match_weight > 0 else None
     params = [p for m in (model, probe, match) if m is not None for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    average = WeightAverage(model, ema) if ema else None
     rng = random.Random(seed)
     log = []
     bar = _bar(steps) if progress and lead else None
@@ -291,7 +300,8 @@ def _train(out: Path, *, rank: int, workers: int, steps: int, seed: int, batch_s
             g["lr"] = lr_at(step, steps, lr, warmup=min(100, steps // 10 + 1))
         opt.zero_grad(set_to_none=True)
         parts: dict[str, float] = {}
-        loss = batch_loss(model, tok, proc, examples, ids, probe, probe_weight, match, match_weight, parts=parts)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = batch_loss(model, tok, proc, examples, ids, probe, probe_weight, match, match_weight, parts=parts)
         loss.backward()
         if workers > 1:
             for p in params:  # a probe a worker's half never reached: a zero gradient on every worker alike
@@ -303,24 +313,33 @@ def _train(out: Path, *, rank: int, workers: int, steps: int, seed: int, batch_s
             loss_value = loss.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        if average is not None:
+            average.update(step)
         if step % log_every == 0 or step == steps - 1:
             log.append({"step": step, "loss": round(loss_value, 5), **{k: round(v, 5) for k, v in parts.items()},
                         "lr": opt.param_groups[0]["lr"], "elapsed_s": round(time.perf_counter() - t0, 1)})
         if checkpoint_every and step and step % checkpoint_every == 0 and lead:
-            _save(model, tok, out / f"step-{step}", log, seed=seed, steps=steps, workers=workers)
+            with average.applied() if average is not None else nullcontext():
+                _save(model, tok, out / f"step-{step}", log, seed=seed, steps=steps, workers=workers,
+                      precision=precision, ema=ema)
             model.train()
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.4f}")
     if bar is not None:
         bar.close()
+    if average is not None:
+        average.swap()
+    if bf16:
+        use_fp32_attention(model, on=False)
     model.eval()
     if save and lead:
-        _save(model, tok, out, log, seed=seed, steps=steps, workers=workers)
+        _save(model, tok, out, log, seed=seed, steps=steps, workers=workers, precision=precision, ema=ema)
     return model
 
 
-def _save(model, tok, out: Path, log: list[dict], *, seed: int, steps: int, workers: int = 1) -> None:
+def _save(model, tok, out: Path, log: list[dict], *, seed: int, steps: int, workers: int = 1,
+          precision: str = "float32", ema: float = 0.0) -> None:
     from transformers import GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
@@ -333,7 +352,7 @@ def _save(model, tok, out: Path, log: list[dict], *, seed: int, steps: int, work
     GenerationConfig(eos_token_id=tok.token_to_id(IM_END), pad_token_id=tok.token_to_id(ENDOFTEXT), do_sample=False,
                      max_new_tokens=48).save_pretrained(out)
     with open(out / "train_log.jsonl", "w") as f:
-        f.write(json.dumps({"seed": seed, "steps": steps, "workers": workers,
+        f.write(json.dumps({"seed": seed, "steps": steps, "workers": workers, "precision": precision, "ema": ema,
                             "torch_threads": torch.get_num_threads()}) + "\n")
         f.writelines(json.dumps(r) + "\n" for r in log)
 
@@ -358,11 +377,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="weight of the auxiliary token-probe loss on the visual tokens (0: off)")
     p.add_argument("--match-weight", type=float, default=MATCH_WEIGHT,
                    help="weight of the auxiliary match-probe loss (which token the question asks about; 0: off)")
+    p.add_argument("--precision", choices=PRECISIONS, default="float32",
+                   help="bfloat16: matrix products under a bfloat16 autocast (float32 weights and optimizer, attention "
+                   "in float32); auto: bfloat16 where the CPU multiplies it natively (AVX512_BF16 / AMX), else float32")
+    p.add_argument("--ema", type=float, default=0.0, help="save an exponential moving average of the weights "
+                   "with this decay (0: the last step's weights)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also save OUT/step-N every N steps")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     train(a.out, steps=a.steps, seed=a.seed, batch_size=a.batch_size, lr=a.lr, checkpoint_every=a.checkpoint_every,
-          probe_weight=a.probe_weight, match_weight=a.match_weight, workers=a.workers)
+          probe_weight=a.probe_weight, match_weight=a.match_weight, workers=a.workers,
+          precision=a.precision, ema=a.ema)
     return 0
 
 
