@@ -382,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=PRECISIONS, default=SHIPPED_RUN["precision"],
                    help="bfloat16: matrix products under a bfloat16 autocast (float32 weights and optimizer, attention "
                    "in float32); auto: bfloat16 where the CPU multiplies it natively (AVX512_BF16 / AMX), else float32")
-    p.add_argument("--ema", type=float, default=SHIPPED_RUN["ema"], help="save an exponential moving average of the weights "
-                   "with this decay (0: the last step's weights)")
+    p.add_argument("--ema", type=float, default=SHIPPED_RUN["ema"],
+                   help="save a moving average of the weights with this decay (0: the last step's weights)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also save OUT/step-N every N steps")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)

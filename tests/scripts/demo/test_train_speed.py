@@ -57,6 +57,7 @@ def test_float32_attention_under_autocast_matches_plain_attention():
     with torch.no_grad():
         ref = model(input_ids=ids).logits
         use_fp32_attention(model)
+        assert model.config._attn_implementation == "fp32_sdpa"
         got = model(input_ids=ids).logits
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low = model(input_ids=ids).logits
@@ -65,8 +66,12 @@ def test_float32_attention_under_autocast_matches_plain_attention():
     assert (low.float() - ref).abs().max() < 0.1  # bfloat16 matrix products, same model
 
 
-def test_precision_names():
+def test_precision_names(monkeypatch):
+    import scripts.demo.speed as speed
+
     assert resolve_precision("float32") == "float32" and resolve_precision("bfloat16") == "bfloat16"
-    assert resolve_precision("auto") in ("float32", "bfloat16")
+    for native, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(speed, "native_bfloat16", lambda native=native: native)
+        assert resolve_precision("auto") == want
     with pytest.raises(ValueError, match="unknown precision"):
         resolve_precision("fp8")
