@@ -25,6 +25,7 @@ oneDNN ops, every layer keeps ``F.linear``. Memory: a packed copy of every packe
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -174,17 +175,33 @@ def median_seconds_each(fns: list[Callable[[], object]]) -> list[float]:
     return [sorted(t)[len(t) // 2] for t in times]
 
 
-def timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[float, float], ...]:
+class ColdCopies:
+    """One weight's cold copies (:func:`_cold_copies`) and their packed forms, each made on first use and shared by
+    the weight's probes (cloning and packing up to 64 copies took more of a load's tuning than the timed calls)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    @functools.cached_property
+    def copies(self) -> list[torch.Tensor]:
+        return _cold_copies(self.weight)
+
+    @functools.cached_property
+    def packed(self) -> list[torch.Tensor]:
+        return [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in self.copies]
+
+
+def timings(weight: torch.Tensor, bias: torch.Tensor | None, cold: ColdCopies | None = None
+            ) -> tuple[tuple[float, float], ...]:
     """Per probe of :data:`ROW_PROBES`: (``F.linear`` s, packed s) for this weight here, both on the same random
     rows; measured once per (shape, dtype, bias, threads)."""
     key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
-    return tuning_cache.remembered(_timings, "linear", key, lambda: _measure_timings(weight, bias),
+    return tuning_cache.remembered(_timings, "linear", key, lambda: _measure_timings(cold or ColdCopies(weight), bias),
                                    like=((0.0, 0.0),) * len(ROW_PROBES))
 
 
-def _measure_timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[float, float], ...]:
-    copies = _cold_copies(weight)
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in copies]
+def _measure_timings(cold: ColdCopies, bias: torch.Tensor | None) -> tuple[tuple[float, float], ...]:
+    weight, copies, packed = cold.weight, cold.copies, cold.packed
     gen = torch.Generator().manual_seed(0)
     turn = itertools.count()
     row = []
@@ -196,7 +213,8 @@ def _measure_timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[t
     return tuple(row)
 
 
-def few_row_timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[float, float], ...]:
+def few_row_timings(weight: torch.Tensor, bias: torch.Tensor | None, cold: ColdCopies | None = None
+                    ) -> tuple[tuple[float, float], ...]:
     """Per probe of :data:`FEW_ROW_PROBES`: (the faster of ``F.linear`` and the packed kernel, the few-row kernel),
     seconds, on the same kind of cold copies as :func:`timings`; measured once per (shape, dtype, bias, threads).
     Empty where the few-row kernel cannot run (not float32, or not built)."""
@@ -204,13 +222,13 @@ def few_row_timings(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tu
     if lib is None:
         return ()
     key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
-    return tuning_cache.remembered(_few_row_timings, "few_row", key, lambda: _measure_few_rows(lib, weight, bias),
+    return tuning_cache.remembered(_few_row_timings, "few_row", key,
+                                   lambda: _measure_few_rows(lib, cold or ColdCopies(weight), bias),
                                    like=((0.0, 0.0),) * len(FEW_ROW_PROBES))
 
 
-def _measure_few_rows(lib, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tuple[float, float], ...]:
-    copies = _cold_copies(weight)
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in copies]
+def _measure_few_rows(lib, cold: ColdCopies, bias: torch.Tensor | None) -> tuple[tuple[float, float], ...]:
+    weight, copies, packed = cold.weight, cold.copies, cold.packed
     b = None if bias is None else bias.detach().contiguous()
     gen = torch.Generator().manual_seed(0)
     turn = itertools.count()
@@ -225,11 +243,11 @@ def _measure_few_rows(lib, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     return tuple(row)
 
 
-def few_rows_upto(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+def few_rows_upto(weight: torch.Tensor, bias: torch.Tensor | None, cold: ColdCopies | None = None) -> int:
     """The most rows a call of this weight runs through the few-row kernel: the largest probe at which it, and at
     every smaller probe, was faster than the library kernels by 5% (0: none)."""
     upto = 0
-    for rows, (library, few) in zip(FEW_ROW_PROBES, few_row_timings(weight, bias)):
+    for rows, (library, few) in zip(FEW_ROW_PROBES, few_row_timings(weight, bias, cold)):
         if few >= 0.95 * library:
             break
         upto = rows
@@ -283,11 +301,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return max(1, t.numel() * t.element_size())
 
 
-def measure(weight: torch.Tensor, bias: torch.Tensor | None, *, everywhere: bool = False) -> tuple[bool, ...]:
+def measure(weight: torch.Tensor, bias: torch.Tensor | None, *, everywhere: bool = False,
+            cold: ColdCopies | None = None) -> tuple[bool, ...]:
     """Per probe: use the packed kernel there? Yes where it is faster by 5% (a tie keeps ``F.linear``). With
     ``everywhere`` (a caller that will drop the plain weight): all or nothing, all when the packed kernel is faster
     by 5% on the geometric mean of the probes' time ratios (each row count counts alike)."""
-    t = timings(weight, bias)
+    t = timings(weight, bias, cold)
     if everywhere:
         ok = math.prod(p / n for n, p in t) ** (1 / len(t)) < 0.95
         return (ok,) * len(t)
@@ -309,8 +328,9 @@ def make_kernel(mode: str) -> Callable[[torch.Tensor, torch.Tensor | None], Line
         if weight.device.type != "cpu" or weight.dtype not in _DTYPES or weight.dim() != 2:
             return LinearKernel(weight, bias, (False,) * len(ROW_PROBES))
         packed_all = always or mode == "packed"
-        chosen = (True,) * len(ROW_PROBES) if packed_all else measure(weight, bias, everywhere=everywhere)
-        few = 0 if packed_all or everywhere else few_rows_upto(weight, bias)
+        cold = ColdCopies(weight)  # the probes of both measurements time the same copies
+        chosen = (True,) * len(ROW_PROBES) if packed_all else measure(weight, bias, everywhere=everywhere, cold=cold)
+        few = 0 if packed_all or everywhere else few_rows_upto(weight, bias, cold)
         return LinearKernel(weight, bias, chosen, few_rows=few)
 
     make.mode = mode  # type: ignore[attr-defined]  # "packed": callers that measure skip it (tests force the path)

@@ -26,6 +26,25 @@ from engine.text_model import TextModel
 MultiModalRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every parameter and buffer of a model built on the meta device uninitialised storage on ``device``,
+    floating ones in ``dtype`` (a tensor shared by two modules stays shared). What ``to_empty(device).to(dtype)``
+    does, without its meta-tensor path, whose first use imports sympy: 0.3 s of every worker's start."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+            made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = empty(t)
+
+
 class LlavaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, vision_tower: bool = True) -> None:
         super().__init__()
@@ -45,7 +64,7 @@ class LlavaModel(nn.Module):
         False: the checkpoint's tower is left unread (``vision.*``: the model then encodes no images)."""
         with torch.device("meta"):
             model = cls(cfg, vision_tower)
-        model = model.to_empty(device=device).to(dtype)
+        materialize(model, torch.device(device), dtype)
         for buf in model.buffers():  # buffers are not in the checkpoint
             buf.zero_()
         with torch.no_grad():

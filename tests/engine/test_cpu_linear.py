@@ -67,6 +67,22 @@ def test_measuring_gives_one_answer_per_probe_and_everywhere_is_all_or_nothing()
     assert cpu_linear.timings(w.clone(), None) is times and all(n > 0 and p > 0 for n, p in times)  # once per shape
 
 
+def test_one_weights_probes_share_its_cold_copies(monkeypatch):
+    """Timing a weight both ways and against the few-row kernel clones (and packs) its cold copies once."""
+    made = []
+    real = cpu_linear._cold_copies
+    monkeypatch.setattr(cpu_linear, "_cold_copies", lambda w: made.append(w.shape) or real(w))
+    monkeypatch.setattr(cpu_linear, "_timings", {})
+    monkeypatch.setattr(cpu_linear, "_few_row_timings", {})
+    monkeypatch.setattr(cpu_linear.tuning_cache, "remembered", lambda table, _n, key, fn, like: table.setdefault(key, fn()))
+    kernel = cpu_linear.make_kernel("auto")(torch.randn(72, 56), None)
+    assert made == [torch.Size([72, 56])]
+    assert len(cpu_linear._timings) == 1 and len(cpu_linear._few_row_timings) == (cpu_linear.cpu_kernels.library()
+                                                                                  is not None)
+    x = torch.randn(3, 56)
+    torch.testing.assert_close(kernel(x), x @ kernel.dense().T, rtol=1e-5, atol=1e-5)
+
+
 def _moe(e: int = 6, hidden: int = 24, inter: int = 16) -> SparseMoe:
     cfg = TextConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=hidden, intermediate_size=48, num_layers=1,
                      num_heads=2, num_kv_heads=1, head_dim=hidden // 2, num_experts=e, top_k=2,
