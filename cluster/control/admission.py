@@ -28,8 +28,9 @@ The pure algorithms are in :mod:`cluster.control.router`; the counters they read
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,12 +90,14 @@ class PrefillAdmission:
                           and ModelConfig.from_pretrained(spec.model_dir).is_qwen_vl)
 
     async def admit(self, live: Callable[[], list[Worker]], n_prompt: int, hashes: list[bytes], rid: str,
-                    deadline: float, exclude: frozenset[str], n_visual: int = 0) -> tuple[Worker, int]:
+                    deadline: float, exclude: frozenset[str], n_visual: int = 0,
+                    visual_positions: Sequence[int] = ()) -> tuple[Worker, int]:
         """Place the prompt on a prefill worker once one has room for it. ``live()`` gives the workers that take
         requests now (asked again after every wait); those in ``exclude`` (tried already) are used only when no
         other is live. A prompt larger than a worker's cap is admitted to it alone. Returns the worker and the
         tokens charged to it (give them back with :meth:`release`). Its ``n_visual`` image tokens count as
-        :attr:`visual_weight` text tokens each (:meth:`cost`).
+        :attr:`visual_weight` text tokens each (:meth:`cost`); ``visual_positions`` (sorted) says where they are, so
+        a worker whose cached prefix holds some of them is charged no tower work for those (:meth:`load_of`).
 
         Before each wait for room, :meth:`check_reachable` may refuse the prompt at once
         (:class:`~cluster.control.errors.PrefillOverloadedError`); a wait that reaches ``deadline`` raises
@@ -109,7 +112,8 @@ class PrefillAdmission:
             if not pool:
                 raise TransferFailedError("no live prefill worker")
             unmeasured_s = max((w.s_per_token for w in workers if w.s_per_token is not None), default=None)
-            loads = [self.load_of(w, n_prompt, hashes, unmeasured_s, images=n_visual > 0) for w in pool]
+            loads = [self.load_of(w, n_prompt, hashes, unmeasured_s, images=n_visual > 0,
+                                  visual_positions=visual_positions) for w in pool]
             pick = pick_prefill(loads, n_prompt)
             if pick is not None:
                 break
@@ -125,7 +129,7 @@ class PrefillAdmission:
                 if waiter in self._room_waiters:
                     self._room_waiters.remove(waiter)
         pw = next(w for w in pool if w.worker_id == pick.worker_id)
-        return pw, pw.charge(n_prompt - extra, pick.cached_tokens, extra, images=n_visual > 0)
+        return pw, pw.charge(n_prompt - extra, pick.cached_tokens, extra - pick.cached_extra, images=n_visual > 0)
 
     def queued_ahead(self, w: Worker, images: bool) -> int:
         """The charged tokens a prompt on ``w`` waits behind: all, or with :attr:`text_lane` and no images, only
@@ -192,15 +196,18 @@ class PrefillAdmission:
             await asyncio.gather(*(ask(w) for w in live()), return_exceptions=True)
 
     def load_of(self, w: Worker, n_prompt: int, hashes: list[bytes],
-                unmeasured_s_per_token: float | None = None, *, images: bool = False) -> PrefillLoad:
+                unmeasured_s_per_token: float | None = None, *, images: bool = False,
+                visual_positions: Sequence[int] = ()) -> PrefillLoad:
         """``w`` as :func:`~cluster.control.router.pick_prefill` sees it for a prompt of ``n_prompt`` tokens
         (``unmeasured_s_per_token``: see :meth:`cap`). With a vision stage on the workers (:attr:`text_lane`), a
         prompt without images has room beside the image prompts admitted there: it passes them in the worker's
-        vision stage, so only the text prompts ahead count against its cap."""
+        vision stage, so only the text prompts ahead count against its cap. The image tokens among
+        ``visual_positions`` inside the cached prefix cost no tower work there (``cached_extra``)."""
         cached = cached_prefix_tokens(w.prefix, hashes, self.block_size, w.prefix_ends)
+        extra = self.cost(0, bisect.bisect_left(visual_positions, cached)) if cached else 0
         held = self.queued_ahead(w, images)
-        room = not held or held + n_prompt - cached <= self.cap(w, unmeasured_s_per_token)
-        return PrefillLoad(w.worker_id, w.prefill_tokens, w.s_per_token, cached, room)
+        room = not held or held + n_prompt - cached - extra <= self.cap(w, unmeasured_s_per_token)
+        return PrefillLoad(w.worker_id, w.prefill_tokens, w.s_per_token, cached, room, extra)
 
     def cap(self, pw: Worker, unmeasured_s_per_token: float | None = None) -> float:
         """Prompt tokens ``pw`` may hold between decode allocation and first token: ``max_prefill_queue_tokens``

@@ -309,7 +309,8 @@ class DisaggCluster:
         self.pool.pick_decode(blocks, exclude_d)  # fail fast when no decode worker could ever hold it
         hashes = self.admission.block_hashes(p)
         pw, charge = await self.admission.admit(self.pool.open_prefills, len(p.token_ids), hashes, rid, deadline,
-                                                exclude_p, n_visual=p.num_visual_tokens)
+                                                exclude_p, n_visual=p.num_visual_tokens,
+                                                visual_positions=() if p.mm is None else p.mm.positions)
         admitted_at = time.monotonic()
         with Assignment(self.admission, pw, charge, hashes, images=p.num_visual_tokens > 0) as a:
             decode = a.bind(self.pool.pick_decode(blocks, exclude_d))  # after the wait: free blocks may have changed

@@ -8,6 +8,11 @@ admission cap), the pick minimises the expected time to first token::
 
     expected_s = (queued_tokens + prompt_tokens - cached_tokens) * s_per_token
 
+A prompt with images counts its image tokens at the vision tower's weight (``prompt_tokens`` in text-token
+equivalents, :meth:`cluster.control.admission.PrefillAdmission.cost`); the tower's share of the image tokens inside a
+worker's cached prefix is spared there too (``cached_extra``: that worker encoded those images, and keeps their
+features), so a repeated image goes back to its worker however much the tower weighs.
+
 A worker whose speed is not measured yet is assumed as fast as the mean of the measured ones (1.0 when none is).
 Speeds enter at most ``MAX_SPEED_SPREAD`` (2x) slower than the fastest worker's: the workers of a pool run one model
 on one kind of machine, so a larger measured gap is mostly noise (a sample taken while the host was busy), and
@@ -55,12 +60,16 @@ class PrefillLoad:
     s_per_token: float | None  # measured seconds from submit to first token per queued token; None until measured
     cached_tokens: int = 0  # leading tokens of this prompt its prefix cache holds (whole blocks)
     has_room: bool = True  # the caller's admission cap lets it take this prompt now
+    cached_extra: int = 0  # work beside the tokens that the cached prefix spares here: the vision tower's share
+    # (text-token equivalents) of the prompt's image tokens inside it, whose features the worker encoded already
 
 
 def expected_prefill_s(load: PrefillLoad, prompt_tokens: int, s_per_token: float) -> float:
-    """Seconds until ``prompt_tokens`` (``load.cached_tokens`` of them cached) get their first token on ``load``."""
-    assert prompt_tokens > 0 and 0 <= load.cached_tokens < prompt_tokens, (prompt_tokens, load.cached_tokens)
-    return (load.queued_tokens + prompt_tokens - load.cached_tokens) * s_per_token
+    """Seconds until ``prompt_tokens`` (``load.cached_tokens`` of them cached, ``load.cached_extra`` more spared)
+    get their first token on ``load``."""
+    spared = load.cached_tokens + load.cached_extra
+    assert prompt_tokens > 0 and 0 <= load.cached_tokens and 0 <= spared < prompt_tokens, (prompt_tokens, load)
+    return (load.queued_tokens + prompt_tokens - spared) * s_per_token
 
 
 def placement_speeds(loads: Sequence[PrefillLoad]) -> list[float]:
@@ -89,7 +98,8 @@ def projected_wait_ttft_s(loads: Sequence[PrefillLoad], prompt_tokens: int, wait
     prompts waiting at the front-end before it -- and then its own uncached tokens (the best cached prefix in the
     pool), over the pool's speed, the sum of its workers' tokens per second (:func:`placement_speeds`)::
 
-        ttft_s = (sum(queued_tokens) + waiting_tokens + prompt_tokens - max(cached_tokens)) / sum(1 / s_per_token)
+        ttft_s = (sum(queued_tokens) + waiting_tokens + prompt_tokens - max(cached_tokens + cached_extra))
+                 / sum(1 / s_per_token)
 
     On one worker this is its expected time to first token once admitted, as if it had no cap: the wait for room
     (the queue beyond the cap drained) plus its prefill behind a full queue. It assumes perfect balance and no
@@ -105,7 +115,7 @@ def projected_wait_ttft_s(loads: Sequence[PrefillLoad], prompt_tokens: int, wait
     """
     if all(w.s_per_token is None for w in loads):
         return None
-    own = prompt_tokens - max(w.cached_tokens for w in loads)
+    own = prompt_tokens - max(w.cached_tokens + w.cached_extra for w in loads)
     ahead = sum(w.queued_tokens for w in loads) + waiting_tokens
     return (ahead + own) / sum(1 / s for s in placement_speeds(loads))
 

@@ -166,3 +166,25 @@ def test_a_text_prompt_has_room_beside_image_prompts_when_workers_run_a_vision_s
     adm.release(w, big, images=True)
     adm.release(w, small)
     assert (w.prefill_tokens, w.image_tokens) == (0, 0)
+
+
+def test_a_worker_whose_cached_prefix_holds_images_is_charged_no_tower_work_for_them(tiny_model_dir):
+    """An image prompt (visual weight 10: 4 images x 12 tokens cost 432 text tokens beyond their own) goes back to
+    the worker that cached its leading 48 tokens though that worker measured 1.5x slower, and is charged there only
+    the 3 uncached tokens; another prompt's images outside the cached prefix are charged in full."""
+    adm = PrefillAdmission(ClusterSpec(model_dir=str(tiny_model_dir), lease_base_s=60.0, block_size=4))
+    adm.visual_weight = 10.0
+    fast, holder = _workers(0.01, 0.015)
+    hashes = [bytes([i]) * 16 for i in range(12)]
+    holder.prefix.update(1, hashes, [])  # 12 blocks of 4: tokens 0-47 cached there
+    positions = list(range(1, 49))  # <s>, then 48 image tokens, then 2 of text
+    load = adm.load_of(holder, adm.cost(51, 48), hashes, visual_positions=positions)
+    assert (load.cached_tokens, load.cached_extra) == (48, 9 * 47)  # token 48 is an image token past the cache
+    pw, charged = asyncio.run(adm.admit(lambda: [fast, holder], 51, hashes, "r", time.monotonic() + 5, frozenset(),
+                                        n_visual=48, visual_positions=positions))
+    assert pw is holder and charged == holder.prefill_tokens == 51 + 9 * 48 - 48 - 9 * 47 == 12
+    assert holder.placed_tokens == 51 and holder.predicted_cached_tokens == 48
+    late = list(range(49, 97))  # the same 48 cached tokens are text here: the images all need the tower
+    assert adm.load_of(holder, adm.cost(99, 48), hashes, visual_positions=late).cached_extra == 0
+    adm.release(holder, charged, images=True)
+    assert (holder.prefill_tokens, holder.image_tokens) == (0, 0)

@@ -43,7 +43,9 @@ def test_a_burst_is_shared_by_both_prefill_workers(two_prefill):
 def test_a_repeated_image_prefix_goes_to_the_worker_that_cached_it(two_prefill):
     a, b = make_image(seed=71), make_image(seed=72)
     # four copies of the image lead each prompt (<s> + 12 image tokens + 2 text): 3 of its 4 blocks are cached on
-    # the holder, a lead no measured speed difference within the router's 2x bound can outweigh
+    # the holder, their tower work spared there too (a CI run lost this prompt to the other worker when only the
+    # tokens were discounted and the images' learnt tower weight was charged on both), a lead no measured speed
+    # difference within the router's 2x bound can outweigh
     def prompt(img, seed):
         return make_request(2, seed=seed, images=[img] * 4)
 

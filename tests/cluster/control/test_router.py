@@ -60,6 +60,19 @@ def test_cache_wins_against_a_little_more_queue_but_not_a_lot():
     assert pick_prefill([PrefillLoad("cold", 0, 0.01), busy], 40).worker_id == "cold"
 
 
+def test_a_cached_image_spares_its_tower_work_where_it_is_cached():
+    # 4 images of 12 tokens weighing 10 text tokens each (vision tower): 51 tokens -> 483 equivalents; the holder has
+    # the first 48 tokens cached. Without the spared tower work a noisy 1.5x slower holder lost the prompt:
+    # (483 - 48) * 0.015 > 483 * 0.01
+    holder = PrefillLoad("holder", 0, 0.015, cached_tokens=48)
+    assert pick_prefill([PrefillLoad("other", 0, 0.01), holder], 483).worker_id == "other"
+    spared = PrefillLoad("holder", 0, 0.015, cached_tokens=48, cached_extra=9 * 48)
+    assert expected_prefill_s(spared, 483, 0.015) == pytest.approx(3 * 0.015)
+    assert pick_prefill([PrefillLoad("other", 0, 0.01), spared], 483).worker_id == "holder"
+    with pytest.raises(AssertionError):  # never more spared than the prompt holds
+        expected_prefill_s(PrefillLoad("x", 0, 0.01, cached_tokens=48, cached_extra=435), 483, 0.01)
+
+
 def test_only_workers_with_room_are_picked():
     loads = [PrefillLoad("a", 0, 0.01, cached_tokens=8, has_room=False), PrefillLoad("b", 500, 0.05)]
     assert pick_prefill(loads, 10).worker_id == "b"
