@@ -28,6 +28,7 @@ BENCH_COMMANDS = {
     "structured": "duet_bench.structured_bench:run",
     "prefix": "duet_bench.prefix_bench:run",
     "memory": "duet_bench.memory_bench:run_bench",
+    "startup": "duet_bench.startup_bench:run",
 }
 
 
@@ -79,3 +80,6 @@ def add_bench_arguments(b: argparse.ArgumentParser, *, load: bool = True) -> Non
     from duet_bench.memory_bench import add_arguments as add_memory_arguments
 
     add_memory_arguments(bsub.add_parser("memory", help="one decode worker's budget: static pool vs coded image KV"))
+    from duet_bench.startup_bench import add_arguments as add_startup_arguments
+
+    add_startup_arguments(bsub.add_parser("startup", help="duet serve from launch to ready (and its first answer)"))
