@@ -14,6 +14,11 @@ default) an empty directory of its own, as on a new host (the first worker measu
 ``off`` none (every worker measures); ``warm`` what an untimed start of the same system wrote (a restart).
 ``--first-request`` also times one chat completion sent the moment the server is ready (``--image``: with that
 image), which shows one-time costs that moved from start-up to the first request.
+
+Beside the wall time, each start's phases as the server reports them (``duet serve: started in ...`` on stderr): Ray
+(its start, with the server's imports), workers (their processes and model loads), front-end. Ray's own start waits
+for its raylet in whole seconds (``ray._private.services``: 1 s sleeps), so on a busy 2-core host a start's Ray
+phase is about 2.3 or 3.3 s by chance and the wall time is bimodal; the workers' phase is what a model changes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import base64
 import datetime as dt
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -40,6 +46,8 @@ from duet_bench.machine import cpu_description
 
 CACHE_MODES = ("first", "off", "warm")
 READY = "duet serve: ready"
+PHASES = ("Ray", "workers", "front-end")  # the server's phases, in the order it reports them
+STARTED = re.compile(r"duet serve: started in ([\d.]+) s \((.*)\)")  # the server's own account of its phases
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = "import sys; from cluster.cli.main import main; sys.exit(main())"
 
@@ -55,6 +63,7 @@ class System:
     model_dir: Path | None  # None: that tree's default model
     ready_s: list[float] = field(default_factory=list)
     first_request_s: list[float] = field(default_factory=list)
+    phases: list[dict[str, float]] = field(default_factory=list)  # per start, as the server reported them
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,6 +126,16 @@ def ready_fields(line: str) -> dict[str, str]:
     return dict(w.split("=", 1) for w in line.split() if "=" in w)
 
 
+def parse_phases(stderr: str) -> dict[str, float]:
+    """``{"Ray": s, "workers": s, "front-end": s}`` from the server's ``started in`` line (empty without one: a
+    server older than that line)."""
+    m = STARTED.search(stderr)
+    if m is None:
+        return {}
+    return {name: float(v) for name, v in (re.fullmatch(r"(.+) ([\d.]+) s", part.strip()).groups()
+                                           for part in m.group(2).split(","))}
+
+
 def first_request(url: str, model: str, image: Path | None, timeout_s: float) -> None:
     """One non-streamed chat completion of at most 8 tokens; raises on anything but a 200 with a choice."""
     content: list[dict] = [{"type": "text", "text": "Describe the image." if image else "Hello"}]
@@ -152,14 +171,14 @@ def stop(proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 def start_once(system: System, cmd: list[str], cache: str, args: argparse.Namespace, *, request: bool
-               ) -> tuple[float, float]:
+               ) -> tuple[float, float, dict[str, float]]:
     """Start ``cmd`` with the tuning cache ``cache`` (a directory, or "off"), time it to its ready line (and, with
-    ``request``, through a first request), stop it. (ready s, first request s or nan)."""
+    ``request``, through a first request), stop it. (ready s, first request s or nan, the server's phases)."""
     path = [str(system.root), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = dict(os.environ, DUET_TUNING_CACHE=cache, PYTHONPATH=os.pathsep.join(path))
+    err = tempfile.TemporaryFile()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=system.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=system.root, env=env, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
     try:
         line = wait_ready(proc, t0 + args.timeout_s)
         ready = time.monotonic() - t0
@@ -169,10 +188,13 @@ def start_once(system: System, cmd: list[str], cache: str, args: argparse.Namesp
             t1 = time.monotonic()
             first_request(f["http"], f.get("model", ""), args.image, args.timeout_s)
             first = time.monotonic() - t1
-        return ready, first
     finally:
         stop(proc, min(60.0, args.timeout_s))
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+        err.close()
         time.sleep(args.pause_s)
+    return ready, first, parse_phases(stderr)
 
 
 def summarize(systems: list[System]) -> list[dict]:
@@ -181,9 +203,11 @@ def summarize(systems: list[System]) -> list[dict]:
     for s in systems:
         med = statistics.median(s.ready_s)
         first = [x for x in s.first_request_s if x == x]
+        names = [k for k in PHASES if any(k in p for p in s.phases)]
         rows.append({"system": s.label, "starts": len(s.ready_s), "ready_p50_s": med, "ready_min_s": min(s.ready_s),
                      "ready_max_s": max(s.ready_s), "ratio_to_baseline": med / base,
-                     "first_request_p50_s": statistics.median(first) if first else None})
+                     "first_request_p50_s": statistics.median(first) if first else None,
+                     **{f"{k}_p50_s": statistics.median(p[k] for p in s.phases if k in p) for k in names}})
     return rows
 
 
@@ -212,9 +236,10 @@ def run(args: argparse.Namespace) -> int:
         for r in range(args.rounds):
             for s in order(systems, r):
                 cache = {"off": "off", "warm": warm.get(s.label)}.get(args.cache) or tempfile.mkdtemp(dir=caches)
-                ready, first = start_once(s, serve_command(s), cache, args, request=args.first_request)
+                ready, first, phases = start_once(s, serve_command(s), cache, args, request=args.first_request)
                 s.ready_s.append(ready)
                 s.first_request_s.append(first)
+                s.phases.append(phases)
                 print(f"round {r}: {s.label} ready in {fmt(ready, 2)} s", file=sys.stderr, flush=True)
     except StartupError as e:
         print(f"duet: error: {e}", file=sys.stderr)
@@ -222,10 +247,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(caches, ignore_errors=True)
     rows = summarize(systems)
-    print(format_table(["system", "starts", "ready p50 s", "min", "max", "ratio", "first request p50 s"],
+    print(format_table(["system", "starts", "ready p50 s", "min", "max", "ratio", *(f"{k} p50 s" for k in PHASES),
+                        "first request p50 s"],
                        [[x["system"], str(x["starts"]), fmt(x["ready_p50_s"], 2), fmt(x["ready_min_s"], 2),
                          fmt(x["ready_max_s"], 2), fmt(x["ratio_to_baseline"], 2),
-                         "-" if x["first_request_p50_s"] is None else fmt(x["first_request_p50_s"], 3)]
+                         *(fmt(x.get(f"{k}_p50_s"), 2) for k in PHASES), fmt(x["first_request_p50_s"], 3)]
                         for x in rows]))
     print(f"cache {args.cache}, {args.rounds} rounds alternating; load average at the start {load}")
     write_json(Path(args.json), {
@@ -234,5 +260,6 @@ def run(args: argparse.Namespace) -> int:
         "started_at": started, "summary": rows,
         "systems": [{"label": s.label, "root": str(s.root),
                      "model_dir": None if s.model_dir is None else str(s.model_dir), "ready_s": s.ready_s,
-                     "first_request_s": [None if x != x else x for x in s.first_request_s]} for s in systems]})
+                     "first_request_s": [None if x != x else x for x in s.first_request_s], "phases": s.phases}
+                    for s in systems]})
     return 0

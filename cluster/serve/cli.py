@@ -1,7 +1,9 @@
 """``duet serve``: start (or join) a Ray cluster, build the prefill/decode deployment, serve gRPC and HTTP.
 
 Prints exactly one line on stdout when it takes requests (``duet serve: ready  grpc=HOST:PORT  http=URL ...``);
-everything else goes to stderr. Ctrl-C or SIGTERM drains in-flight requests (up to ``drain_timeout_s``; a second
+everything else goes to stderr, among it, just before, how long the start took and where (``duet serve: started in
+6.31 s (Ray 3.61 s, workers 2.69 s, front-end 0.01 s)``: Ray's start or connection with this process's imports and
+config checks, the workers' start with their model loads, the servers'). Ctrl-C or SIGTERM drains in-flight requests (up to ``drain_timeout_s``; a second
 signal aborts them at once) and shuts the workers down.
 """
 
@@ -14,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 logger = logging.getLogger("duet.serve")
 
@@ -43,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
     from cluster.demo import default_model_dir
     from cluster.serve.config import build_configs, read_config_file
 
@@ -84,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
     if started:
         init_ray()
+    phases = {"Ray": time.monotonic() - t0}  # config checks and imports included
     holder: list = [None]
 
     def rebuild() -> DisaggCluster:
@@ -102,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         holder[0] = DisaggCluster(spec)
-        asyncio.run(_serve(holder, cfg, rebuild if started else None, embedded=not args.address))
+        phases["workers"] = time.monotonic() - t0 - phases["Ray"]
+        asyncio.run(_serve(holder, cfg, rebuild if started else None, embedded=not args.address, started=(t0, phases)))
     finally:
         if holder[0] is not None:
             holder[0].shutdown()
@@ -121,7 +127,7 @@ def _ray_token_auth() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-async def _serve(holder: list, cfg, rebuild, *, embedded: bool) -> None:
+async def _serve(holder: list, cfg, rebuild, *, embedded: bool, started: tuple[float, dict[str, float]]) -> None:
     from cluster.serve.head_watch import HeadWatch
     from cluster.serve.server import Server
 
@@ -146,6 +152,11 @@ async def _serve(holder: list, cfg, rebuild, *, embedded: bool) -> None:
     watch.start()
     gc.collect()  # start-up's leftovers go; what is loaded by now leaves the cyclic collector's scans (as the workers')
     gc.freeze()
+    t0, phases = started
+    total = time.monotonic() - t0
+    phases["front-end"] = total - sum(phases.values())
+    print(f"duet serve: started in {total:.2f} s ({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})",
+          file=sys.stderr, flush=True)
     print(server.ready_line(), flush=True)
     try:
         await stop.wait()

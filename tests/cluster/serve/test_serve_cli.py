@@ -76,6 +76,7 @@ def test_serve_prints_one_ready_line_and_drains_on_sigterm(ray_cluster, tmp_path
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         assert out == "" and "draining" in err  # exactly one line on stdout in all
+        assert re.search(r"duet serve: started in [\d.]+ s \(Ray [\d.]+ s, workers [\d.]+ s, front-end [\d.]+ s\)", err)
     finally:
         if proc.poll() is None:
             proc.kill()
