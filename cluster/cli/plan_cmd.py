@@ -14,11 +14,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cluster.planner.planner import SLO, Plan, Profile, Workload, plan
 from cluster.report import fmt, format_table, write_json
+
+if TYPE_CHECKING:
+    from cluster.planner.planner import Plan, Profile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cluster.planner.planner import SLO, Profile, Workload, plan  # imports the engine (torch): not at parse time
+
     if args.profile:
         profile = Profile.load(args.profile)
     else:
@@ -122,6 +127,7 @@ def measure_profile(transfer_json: Path | None = None, *, model_dir: Path | None
     import torch
 
     from cluster.demo import default_model_dir
+    from cluster.planner.planner import Profile
     from engine import LLM, SamplingParams
 
     model = Path(model_dir) if model_dir else default_model_dir()

@@ -8,8 +8,24 @@ Modules: :mod:`.config` (config file + flags, validated), :mod:`.limits` (caps, 
 :mod:`.cli` (the command).
 """
 
-from cluster.serve.config import ServeConfig
-from cluster.serve.limits import Limits
-from cluster.serve.server import Server, ServerThread
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+# imported on first use: `duet client` and `duet status` build the command line's parser (cluster.serve.cli's
+# arguments) without the server's modules, which import torch
+_EXPORTS = {"ServeConfig": "cluster.serve.config", "Limits": "cluster.serve.limits", "Server": "cluster.serve.server",
+            "ServerThread": "cluster.serve.server"}
 __all__ = ["Limits", "ServeConfig", "Server", "ServerThread"]
+
+if TYPE_CHECKING:
+    from cluster.serve.config import ServeConfig
+    from cluster.serve.limits import Limits
+    from cluster.serve.server import Server, ServerThread
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'cluster.serve' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -171,3 +171,17 @@ def test_cached_model_builds_once_atomically(duet_home):
     assert first == duet_home / "models" / "thing" and (first / "config.json").is_file()
     assert [p.name for p in (duet_home / "models").iterdir()] == ["thing"]  # no temporary leftovers
     assert cached_model("thing", build) == first and len(calls) == 1
+
+
+def test_client_and_status_start_without_torch_and_generate_still_checks_its_transport():
+    code = ("import sys\nfrom cluster.cli.main import build_parser, main\n"
+            "for argv in (['client', '--help'], ['status', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('torch' in sys.modules, 'engine' in sys.modules)\n"
+            "try:\n    build_parser(['generate']).parse_args(['generate', '--prompt', 'x', '--kv-transport', 'pigeon'])\n"
+            "except SystemExit as e:\n    print('refused', e.code)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-2:] == ["False False", "refused 2"], out.stdout[-2000:]
+    assert "invalid choice: 'pigeon'" in out.stderr
