@@ -104,9 +104,12 @@ class PrefillAdmission:
         :class:`~cluster.control.errors.RequestTimeoutError`. Either way nothing is charged and the request leaves
         no waiter behind."""
         loop = asyncio.get_running_loop()
-        extra = self.cost(n_prompt, n_visual) - n_prompt
-        n_prompt += extra  # from here on, in text-token equivalents
+        tokens = n_prompt
         while True:
+            # in text-token equivalents, at the tower weight of now: the weight learnt while this prompt waited is the
+            # one load_of spares cached images at (one weight for both, so no worker is spared more than it is charged)
+            extra = self.cost(tokens, n_visual) - tokens
+            n_prompt = tokens + extra
             workers = live()
             pool = [w for w in workers if w.worker_id not in exclude] or workers
             if not pool:
@@ -129,7 +132,7 @@ class PrefillAdmission:
                 if waiter in self._room_waiters:
                     self._room_waiters.remove(waiter)
         pw = next(w for w in pool if w.worker_id == pick.worker_id)
-        return pw, pw.charge(n_prompt - extra, pick.cached_tokens, extra - pick.cached_extra, images=n_visual > 0)
+        return pw, pw.charge(tokens, pick.cached_tokens, extra - pick.cached_extra, images=n_visual > 0)
 
     def queued_ahead(self, w: Worker, images: bool) -> int:
         """The charged tokens a prompt on ``w`` waits behind: all, or with :attr:`text_lane` and no images, only
@@ -204,7 +207,7 @@ class PrefillAdmission:
         vision stage, so only the text prompts ahead count against its cap. The image tokens among
         ``visual_positions`` inside the cached prefix cost no tower work there (``cached_extra``)."""
         cached = cached_prefix_tokens(w.prefix, hashes, self.block_size, w.prefix_ends)
-        extra = self.cost(0, bisect.bisect_left(visual_positions, cached)) if cached else 0
+        extra = min(self.cost(0, bisect.bisect_left(visual_positions, cached)), n_prompt - 1 - cached) if cached else 0
         held = self.queued_ahead(w, images)
         room = not held or held + n_prompt - cached - extra <= self.cap(w, unmeasured_s_per_token)
         return PrefillLoad(w.worker_id, w.prefill_tokens, w.s_per_token, cached, room, extra)

@@ -188,3 +188,26 @@ def test_a_worker_whose_cached_prefix_holds_images_is_charged_no_tower_work_for_
     assert adm.load_of(holder, adm.cost(99, 48), hashes, visual_positions=late).cached_extra == 0
     adm.release(holder, charged, images=True)
     assert (holder.prefill_tokens, holder.image_tokens) == (0, 0)
+
+
+def test_a_tower_weight_learnt_while_a_prompt_waits_counts_alike_in_its_charge_and_its_cached_spare(tiny_model_dir):
+    """Admitted at weight 1.0 (images cost nothing extra), the prompt waits for room; meanwhile the weight is learnt
+    at 1.5. Its charge and the spare of its cached images are both taken at 1.5 (a CI chaos run crashed the request
+    when the spare was taken at the new weight and the charge at the old: 48 + 24 spared of 52)."""
+    adm = _admission(tiny_model_dir, block_size=4)
+    p0, p1 = pool = _full_pool(adm)
+    hashes = [bytes([i]) * 16 for i in range(12)]
+    p0.prefix.update(1, hashes, [])  # tokens 0-47 cached on prefill-0
+    positions = list(range(1, 49))
+
+    async def run() -> tuple[Worker, int]:
+        task = asyncio.create_task(adm.admit(lambda: pool, 52, hashes, "r", time.monotonic() + 10, frozenset(),
+                                             n_visual=48, visual_positions=positions))
+        await _until_waiting(adm, 52)
+        adm.visual_weight = 1.5
+        adm.release(p0, 100)
+        return await asyncio.wait_for(task, 5)
+
+    pw, charge = asyncio.run(run())
+    assert pw is p0 and charge == 52 + 24 - 48 - round(0.5 * 47) == 4
+    assert p0.prefill_tokens == charge
