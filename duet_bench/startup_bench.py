@@ -27,6 +27,7 @@ import argparse
 import base64
 import datetime as dt
 import json
+import mimetypes
 import os
 import re
 import select
@@ -116,9 +117,9 @@ def wait_ready(proc: subprocess.Popen, deadline: float) -> str:
             proc.wait(timeout=10)
             raise StartupError(f"the server exited with code {proc.returncode} before its ready line")
         buf += chunk
-        for line in buf.decode(errors="replace").splitlines():
-            if line.startswith(READY):
-                return line
+        for line in buf.split(b"\n")[:-1]:  # whole lines only: the ready line may come in two reads
+            if line.startswith(READY.encode()):
+                return line.decode(errors="replace")
 
 
 def ready_fields(line: str) -> dict[str, str]:
@@ -141,12 +142,16 @@ def first_request(url: str, model: str, image: Path | None, timeout_s: float) ->
     content: list[dict] = [{"type": "text", "text": "Describe the image." if image else "Hello"}]
     if image is not None:
         data = base64.b64encode(image.read_bytes()).decode()
-        content.insert(0, {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}})
+        kind = mimetypes.guess_type(image.name)[0] or "image/png"
+        content.insert(0, {"type": "image_url", "image_url": {"url": f"data:{kind};base64,{data}"}})
     body = json.dumps({"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": content}]})
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=body.encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 -- a loopback URL the server printed
-        reply = json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 -- the URL the server printed
+            reply = json.loads(resp.read())
+    except (OSError, ValueError) as e:  # urllib's HTTP and connection errors, a timeout, a body that is not JSON
+        raise StartupError(f"the first request failed: {e}") from None
     if not reply.get("choices"):
         raise StartupError(f"the first request got no choice: {str(reply)[:300]}")
 
@@ -185,6 +190,8 @@ def start_once(system: System, cmd: list[str], cache: str, args: argparse.Namesp
         first = float("nan")
         if request:
             f = ready_fields(line)
+            if "http" not in f:
+                raise StartupError(f"the ready line names no HTTP endpoint for the first request: {line!r}")
             t1 = time.monotonic()
             first_request(f["http"], f.get("model", ""), args.image, args.timeout_s)
             first = time.monotonic() - t1

@@ -37,7 +37,7 @@ class H(http.server.BaseHTTPRequestHandler):
         with open(os.environ["STUB_LOG"], "a") as f:
             f.write(json.dumps({"request": body}) + "\n")
         out = json.dumps({"choices": [{"message": {"content": "hi"}}]}).encode()
-        self.send_response(200)
+        self.send_response(500 if mode == "http500" else 200)
         self.send_header("Content-Length", str(len(out)))
         self.end_headers()
         self.wfile.write(out)
@@ -49,7 +49,13 @@ threading.Thread(target=srv.serve_forever, daemon=True).start()
 time.sleep(0.05)
 if mode != "old":  # a server from before the started line
     print("duet serve: started in 0.30 s (Ray 0.10 s, workers 0.15 s, front-end 0.05 s)", file=sys.stderr, flush=True)
-print(f"duet serve: ready  grpc=127.0.0.1:1  http=http://127.0.0.1:{srv.server_port}  model=stub", flush=True)
+line = f"duet serve: ready  grpc=127.0.0.1:1  http=http://127.0.0.1:{srv.server_port}  model=stub"
+if mode == "split":  # the line in two writes: the reader must not take the first half for it
+    sys.stdout.write(line[:30])
+    sys.stdout.flush()
+    time.sleep(0.3)
+    line = line[30:]
+print(line, flush=True)
 stop = threading.Event()
 signal.signal(signal.SIGINT, lambda *a: stop.set())
 stop.wait(60)
@@ -122,6 +128,18 @@ def test_warm_starts_read_what_an_untimed_start_wrote_and_off_gives_no_cache(tmp
     assert len(json.loads((tmp_path / "out.json").read_text())["systems"][0]["ready_s"]) == 2
     assert startup_bench.run(_args(tmp_path, rounds=1, cache="off")) == 0
     assert stub()[-1]["cache"] == "off" and stub()[-1]["cache_files"] is None
+
+
+def test_a_ready_line_in_two_writes_is_read_whole(tmp_path, stub, monkeypatch):
+    monkeypatch.setenv("STUB_MODE", "split")
+    assert startup_bench.run(_args(tmp_path, rounds=1, first_request=True)) == 0
+    assert [r["request"]["model"] for r in stub() if "request" in r] == ["stub"]
+
+
+def test_a_failed_first_request_is_an_error_not_a_traceback(tmp_path, stub, monkeypatch, capsys):
+    monkeypatch.setenv("STUB_MODE", "http500")
+    assert startup_bench.run(_args(tmp_path, rounds=1, first_request=True)) == 1
+    assert "duet: error: the first request failed: HTTP Error 500" in capsys.readouterr().err
 
 
 def test_a_server_that_exits_before_ready_is_an_error(tmp_path, stub, monkeypatch, capsys):
