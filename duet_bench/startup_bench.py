@@ -63,7 +63,7 @@ class System:
     root: Path  # the source tree it runs from
     model_dir: Path | None  # None: that tree's default model
     ready_s: list[float] = field(default_factory=list)
-    first_request_s: list[float] = field(default_factory=list)
+    first_request_s: list[float | None] = field(default_factory=list)  # None: not sent
     phases: list[dict[str, float]] = field(default_factory=list)  # per start, as the server reported them
 
 
@@ -176,9 +176,9 @@ def stop(proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 def start_once(system: System, cmd: list[str], cache: str, args: argparse.Namespace, *, request: bool
-               ) -> tuple[float, float, dict[str, float]]:
+               ) -> tuple[float, float | None, dict[str, float]]:
     """Start ``cmd`` with the tuning cache ``cache`` (a directory, or "off"), time it to its ready line (and, with
-    ``request``, through a first request), stop it. (ready s, first request s or nan, the server's phases)."""
+    ``request``, through a first request), stop it. (ready s, first request s or None, the server's phases)."""
     path = [str(system.root), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = dict(os.environ, DUET_TUNING_CACHE=cache, PYTHONPATH=os.pathsep.join(path))
     err = tempfile.TemporaryFile()
@@ -187,7 +187,7 @@ def start_once(system: System, cmd: list[str], cache: str, args: argparse.Namesp
     try:
         line = wait_ready(proc, t0 + args.timeout_s)
         ready = time.monotonic() - t0
-        first = float("nan")
+        first = None
         if request:
             f = ready_fields(line)
             if "http" not in f:
@@ -209,7 +209,7 @@ def summarize(systems: list[System]) -> list[dict]:
     rows = []
     for s in systems:
         med = statistics.median(s.ready_s)
-        first = [x for x in s.first_request_s if x == x]
+        first = [x for x in s.first_request_s if x is not None]
         names = [k for k in PHASES if any(k in p for p in s.phases)]
         rows.append({"system": s.label, "starts": len(s.ready_s), "ready_p50_s": med, "ready_min_s": min(s.ready_s),
                      "ready_max_s": max(s.ready_s), "ratio_to_baseline": med / base,
@@ -242,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
                 start_once(s, serve_command(s), warm[s.label], args, request=False)
         for r in range(args.rounds):
             for s in order(systems, r):
-                cache = {"off": "off", "warm": warm.get(s.label)}.get(args.cache) or tempfile.mkdtemp(dir=caches)
+                cache = "off" if args.cache == "off" else warm[s.label] if args.cache == "warm" \
+                    else tempfile.mkdtemp(dir=caches)
                 ready, first, phases = start_once(s, serve_command(s), cache, args, request=args.first_request)
                 s.ready_s.append(ready)
                 s.first_request_s.append(first)
@@ -267,6 +268,6 @@ def run(args: argparse.Namespace) -> int:
         "started_at": started, "summary": rows,
         "systems": [{"label": s.label, "root": str(s.root),
                      "model_dir": None if s.model_dir is None else str(s.model_dir), "ready_s": s.ready_s,
-                     "first_request_s": [None if x != x else x for x in s.first_request_s], "phases": s.phases}
+                     "first_request_s": s.first_request_s, "phases": s.phases}
                     for s in systems]})
     return 0

@@ -30,13 +30,14 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
     """Give every parameter and buffer of a model built on the meta device uninitialised storage on ``device``,
     floating ones in ``dtype`` (a tensor shared by two modules stays shared). What ``to_empty(device).to(dtype)``
     does, without its meta-tensor path, whose first use imports sympy: 0.3 s of every worker's start."""
-    made: dict[int, torch.Tensor] = {}
+    # id(meta tensor) -> (the meta tensor, held so that no id is reused while the table lives; its replacement)
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def empty(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in made:
             new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
-            made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
-        return made[id(t)]
+            made[id(t)] = t, nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return made[id(t)][1]
 
     for module in model.modules():
         for table in (module._parameters, module._buffers):

@@ -76,7 +76,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     g.add_argument("--expert-cache-policy", choices=["lru", "duet"], default="duet",
                    help="with --expert-resident: lru (load on demand) or duet (pre-warm from routing hints)")
     # the transports' names come from kv_transfer (which imports torch): read only for a `duet generate` line, so
-    # `duet client` and `duet status` start without torch (1.8 -> 0.3 s)
+    # `duet client` and `duet status` start without torch (1.8 -> 0.17 s)
     g.add_argument("--kv-transport", choices=_transports() if argv is None or argv[:1] == ["generate"] else None,
                    default="gloo",
                    help="how KV moves from prefill to decode (--mode disagg)")

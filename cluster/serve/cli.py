@@ -3,8 +3,8 @@
 Prints exactly one line on stdout when it takes requests (``duet serve: ready  grpc=HOST:PORT  http=URL ...``);
 everything else goes to stderr, among it, just before, how long the start took and where (``duet serve: started in
 6.31 s (Ray 3.61 s, workers 2.69 s, front-end 0.01 s)``: Ray's start or connection with this process's imports and
-config checks, the workers' start with their model loads, the servers'). Ctrl-C or SIGTERM drains in-flight requests (up to ``drain_timeout_s``; a second
-signal aborts them at once) and shuts the workers down.
+config checks, the workers' start with their model loads, the servers'). Ctrl-C or SIGTERM drains in-flight
+requests (up to ``drain_timeout_s``; a second signal aborts them at once) and shuts the workers down.
 """
 
 from __future__ import annotations
