@@ -249,16 +249,18 @@ class Conversation:
         return [render(s) for s in self.scenes]
 
 
-def make_conversation(rng: random.Random, max_turns: int = 4, style: str = "varied") -> Conversation:
-    """A compare question (alone), or 1..max_turns single-image questions about one scene in random order, so
-    every single-image question type is also trained in the first turn exactly as it is asked at test time."""
+def make_conversation(rng: random.Random, max_turns: int = 4, style: str = "varied", min_turns: int = 1
+                      ) -> Conversation:
+    """A compare question (alone), or ``min_turns``..``max_turns`` single-image questions about one scene in random
+    order (fewer where the scene leaves a question ambiguous), so every single-image question type is also trained
+    in the first turn exactly as it is asked at test time."""
     if rng.random() < 1 / len(QTYPES):
         e = make_example(rng, "compare", style)
         return Conversation(e.scenes, ((e.question, e.answer),))
     scene = make_scene(rng, style=style)
     kinds = [q for q in QTYPES if q != "compare"]
     rng.shuffle(kinds)
-    turns = [qa for q in kinds if (qa := _single(rng, scene, q)) is not None][: rng.randint(1, max_turns)]
+    turns = [qa for q in kinds if (qa := _single(rng, scene, q)) is not None][: rng.randint(min_turns, max_turns)]
     turns[0] = ("<image>" + turns[0][0], turns[0][1])
     return Conversation((scene,), tuple(turns))
 

@@ -42,19 +42,24 @@ class TokenProbe(torch.nn.Module):
     """Training-only auxiliary head (not saved): from each merged visual token (the vision tower's output), predict
     the shape kind over it (or none), its colour, and which third of the image the token lies in; and from the mean
     of the tokens over each shape, its kind. A dense signal per shape from the first step, where the answers reach
-    the tower only through the text model; the checkpoint stays a plain Qwen3-VL-MoE."""
+    the tower only through the text model; the checkpoint stays a plain Qwen3-VL-MoE. With ``centre``, also
+    whether a token holds a shape's centre (one token per shape: what a count can add up)."""
 
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, centre: bool = False) -> None:
         super().__init__()
         self.kind = torch.nn.Linear(hidden, 1 + len(KINDS))
         self.color = torch.nn.Linear(hidden, len(COLORS))
         self.cell = torch.nn.Linear(hidden, GRID * GRID)
         self.shape_kind = torch.nn.Linear(hidden, len(KINDS))
+        self.centre = torch.nn.Linear(hidden, 2) if centre else None
 
     def loss(self, visual: torch.Tensor, scenes: list[Scene], grids: list[tuple[int, int]]) -> torch.Tensor:
-        """Mean cross-entropy of the four predictions; ``visual`` is ``[tokens of every image, hidden]``."""
+        """Sum of the predictions' mean cross-entropies; ``visual`` is ``[tokens of every image, hidden]``."""
         kind, color, cell, owner, shape_kinds, at = [], [], [], [], [], 0
+        centres = []
         for sc, (gh, gw) in zip(scenes, grids, strict=True):
+            if self.centre is not None:
+                centres.append(len(kind) + torch.tensor([centre_token(s, gh, gw) for s in sc.shapes], dtype=torch.long))
             k, c, p, o = token_targets(sc, gh, gw)
             kind += k
             color += c
@@ -67,8 +72,13 @@ class TokenProbe(torch.nn.Module):
         pooled = torch.zeros(at, visual.shape[-1], dtype=visual.dtype).index_add_(0, owners[held], visual[held])
         pooled = pooled / torch.bincount(owners[held], minlength=at).clamp_min(1)[:, None].to(visual.dtype)
         ce = torch.nn.functional.cross_entropy
-        return (ce(self.kind(visual), torch.tensor(kind)) + ce(self.color(visual), torch.tensor(color))
-                + ce(self.cell(visual), torch.tensor(cell)) + ce(self.shape_kind(pooled), torch.tensor(shape_kinds)))
+        total = (ce(self.kind(visual), torch.tensor(kind)) + ce(self.color(visual), torch.tensor(color))
+                 + ce(self.cell(visual), torch.tensor(cell)) + ce(self.shape_kind(pooled), torch.tensor(shape_kinds)))
+        if self.centre is not None:
+            target = torch.zeros(len(kind), dtype=torch.long)
+            target[torch.cat(centres)] = 1
+            total = total + ce(self.centre(visual), target)
+        return total
 
 
 class MatchProbe(torch.nn.Module):

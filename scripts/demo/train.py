@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 
 from duet_testing.demo_tasks import Conversation, Example, make_conversation
+from scripts.demo.muon import make_optimizers
+from scripts.demo.parallel import all_reduce_mean, all_reduce_sum, mean_parts
 from scripts.demo.probes import MatchProbe, TokenProbe, asked_shape, centre_token
 from scripts.demo.speed import PRECISIONS, WeightAverage, resolve_precision, use_fp32_attention
 from scripts.demo.tokenizer import (
@@ -53,7 +55,8 @@ MIN_PIXELS, MAX_PIXELS = 112 * 112, 192 * 192  # 12 to 36 visual tokens an image
 PROBE_WEIGHT = 1.5  # weight of the training-only token probe's loss (TokenProbe)
 MATCH_WEIGHT = 0.5  # weight of the training-only match probe's loss (MatchProbe)
 # the command line's defaults: the run that made the shipped checkpoint (on a CPU with native bfloat16)
-SHIPPED_RUN = {"steps": 6000, "seed": 1, "workers": 2, "precision": "auto", "ema": 0.999}
+SHIPPED_RUN = {"steps": 6000, "seed": 1, "workers": 2, "precision": "auto", "ema": 0.999, "optimizer": "adamw",
+               "min_turns": 1, "centre_probe": False}
 # the vision tower: wider than the text model, since telling a triangle from a diamond at any scale and offset
 # against the 16-pixel patch grid is the slowest thing the demo learns (a linear probe of shape kind: 85% after
 # 500 steps at this width, 77% at 128 wide)
@@ -214,13 +217,15 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 def train(out: Path, *, steps: int, seed: int = 0, batch_size: int = 32, lr: float = 3e-3, log_every: int = 20,
           progress: bool = True, save: bool = True, checkpoint_every: int = 0,
           probe_weight: float = PROBE_WEIGHT, match_weight: float = MATCH_WEIGHT, workers: int = 1,
-          precision: str = "float32", ema: float = 0.0) -> torch.nn.Module | None:
+          precision: str = "float32", ema: float = 0.0, optimizer: str = "adamw", muon_lr: float | None = None,
+          min_turns: int = 1, save_last: bool = False, centre_probe: bool = False) -> torch.nn.Module | None:
     """Train and (``save``) write the checkpoint to ``out``. ``workers`` > 1 runs that many processes of one thread
     each, data-parallel (each takes every ``workers``-th conversation of a step's batch, ordered by image area; the
     gradients are averaged over gloo), and returns None; one worker returns the trained model."""
     kw = dict(steps=steps, seed=seed, batch_size=batch_size, lr=lr, log_every=log_every, progress=progress,
               save=save, checkpoint_every=checkpoint_every, probe_weight=probe_weight, match_weight=match_weight,
-              precision=precision, ema=ema)
+              precision=precision, ema=ema, optimizer=optimizer, muon_lr=muon_lr, min_turns=min_turns,
+              save_last=save_last, centre_probe=centre_probe)
     if workers <= 1:
         return _train(out, rank=0, workers=1, **kw)
     import tempfile
@@ -243,36 +248,10 @@ def _worker(rank: int, workers: int, init_method: str, out: Path, kw: dict) -> N
         dist.destroy_process_group()
 
 
-def _all_reduce_mean(tensors: list[torch.Tensor], workers: int) -> None:
-    """Average ``tensors`` in place over the workers (one flat gloo all-reduce)."""
-    import torch.distributed as dist
-
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat)
-    flat /= workers
-    at = 0
-    for t in tensors:
-        t.copy_(flat[at:at + t.numel()].view_as(t))
-        at += t.numel()
-
-
-def _mean_parts(loss: float, parts: dict[str, float], workers: int) -> tuple[float, dict[str, float]]:
-    """The step's loss and its logged parts averaged over the workers (a part some worker's half lacked -- the
-    match probe with no question it applies to -- over the workers that have it)."""
-    import torch.distributed as dist
-
-    names = ("answers", "token_probe", "match_probe")
-    sums = torch.tensor([loss, *(parts.get(n, 0.0) for n in names), *(float(n in parts) for n in names)],
-                        dtype=torch.float64)
-    dist.all_reduce(sums)
-    k = len(names)
-    return sums[0].item() / workers, {n: sums[1 + i].item() / sums[1 + k + i].item()
-                                      for i, n in enumerate(names) if sums[1 + k + i] > 0}
-
-
 def _train(out: Path, *, rank: int, workers: int, steps: int, seed: int, batch_size: int, lr: float, log_every: int,
            progress: bool, save: bool, checkpoint_every: int, probe_weight: float, match_weight: float,
-           precision: str, ema: float) -> torch.nn.Module:
+           precision: str, ema: float, optimizer: str, muon_lr: float | None, min_turns: int,
+           save_last: bool, centre_probe: bool) -> torch.nn.Module:
     lead = rank == 0
     tok = train_tokenizer()
     ids = {t: tok.token_to_id(t) for t in QWEN_SPECIAL_TOKENS}
@@ -285,22 +264,28 @@ def _train(out: Path, *, rank: int, workers: int, steps: int, seed: int, batch_s
         use_fp32_attention(model)
     model.train()
     hidden = model.config.text_config.hidden_size
-    probe = TokenProbe(hidden) if probe_weight > 0 else None
+    probe = TokenProbe(hidden, centre=centre_probe) if probe_weight > 0 else None
     match = MatchProbe(hidden) if match_weight > 0 else None
     params = [p for m in (model, probe, match) if m is not None for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    extra = [p for m in (probe, match) if m is not None for p in m.parameters()]
+    share = (rank, workers, all_reduce_sum) if workers > 1 else None
+    opts = make_optimizers(model, extra, optimizer, lr, muon_lr, bf16=bf16, share=share)
     average = WeightAverage(model, ema) if ema else None
     rng = random.Random(seed)
     log = []
     bar = _bar(steps) if progress and lead else None
     t0 = time.perf_counter()
     for step in range(steps):
-        examples = [make_conversation(rng) for _ in range(batch_size)]  # every worker draws the whole batch
+        # every worker draws the whole batch
+        examples = [make_conversation(rng, min_turns=min_turns) for _ in range(batch_size)]
         if workers > 1:
             examples = sorted(examples, key=lambda e: sum(s.width * s.height for s in e.scenes))[rank::workers]
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup=min(100, steps // 10 + 1))
-        opt.zero_grad(set_to_none=True)
+        scale = lr_at(step, steps, 1.0, warmup=min(100, steps // 10 + 1))
+        for opt in opts:
+            for g in opt.param_groups:
+                g.setdefault("peak_lr", g["lr"])
+                g["lr"] = g["peak_lr"] * scale
+            opt.zero_grad(set_to_none=True)
         parts: dict[str, float] = {}
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = batch_loss(model, tok, proc, examples, ids, probe, probe_weight, match, match_weight, parts=parts)
@@ -309,17 +294,18 @@ def _train(out: Path, *, rank: int, workers: int, steps: int, seed: int, batch_s
             for p in params:  # a probe a worker's half never reached: a zero gradient on every worker alike
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            _all_reduce_mean([p.grad for p in params], workers)
-            loss_value, parts = _mean_parts(loss.item(), parts, workers)
+            all_reduce_mean([p.grad for p in params], workers)
+            loss_value, parts = mean_parts(loss.item(), parts, workers)
         else:
             loss_value = loss.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        for opt in opts:
+            opt.step()
         if average is not None:
             average.update(step)
         if step % log_every == 0 or step == steps - 1:
             log.append({"step": step, "loss": round(loss_value, 5), **{k: round(v, 5) for k, v in parts.items()},
-                        "lr": opt.param_groups[0]["lr"], "elapsed_s": round(time.perf_counter() - t0, 1)})
+                        "lr": opts[0].param_groups[0]["lr"], "elapsed_s": round(time.perf_counter() - t0, 1)})
         if checkpoint_every and step and step % checkpoint_every == 0 and lead:
             with average.applied() if average is not None else nullcontext():
                 _save(model, tok, out / f"step-{step}", log, seed=seed, steps=steps, workers=workers,
@@ -337,6 +323,9 @@ def _train(out: Path, *, rank: int, workers: int, steps: int, seed: int, batch_s
     model.eval()
     if save and lead:
         _save(model, tok, out, log, seed=seed, steps=steps, workers=workers, precision=precision, ema=ema)
+        if average is not None and save_last:
+            with average.applied():  # holds the last step's weights now
+                _save(model, tok, out / "last", log, seed=seed, steps=steps, workers=workers, precision=precision)
     return model
 
 
@@ -385,11 +374,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ema", type=float, default=SHIPPED_RUN["ema"],
                    help="save a moving average of the weights with this decay (0: the last step's weights)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also save OUT/step-N every N steps")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default=SHIPPED_RUN["optimizer"],
+                   help="muon: the hidden matrices by Muon (scripts/demo/muon.py), the rest by AdamW")
+    p.add_argument("--muon-lr", type=float, default=None, help="Muon's peak learning rate (default: --lr)")
+    p.add_argument("--min-turns", type=int, default=SHIPPED_RUN["min_turns"],
+                   help="questions a single-image conversation asks at least (1-4: all four kinds)")
+    p.add_argument("--save-last", action="store_true", help="with --ema: also save the last step's weights to OUT/last")
+    p.add_argument("--centre-probe", action="store_true",
+                   help="the token probe also learns which token holds each shape's centre (a count's units)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     train(a.out, steps=a.steps, seed=a.seed, batch_size=a.batch_size, lr=a.lr, checkpoint_every=a.checkpoint_every,
           probe_weight=a.probe_weight, match_weight=a.match_weight, workers=a.workers,
-          precision=a.precision, ema=a.ema)
+          precision=a.precision, ema=a.ema, optimizer=a.optimizer, muon_lr=a.muon_lr,
+          min_turns=a.min_turns, save_last=a.save_last,
+          centre_probe=a.centre_probe)
     return 0
 
 

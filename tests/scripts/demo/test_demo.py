@@ -256,3 +256,23 @@ def test_training_probes_target_the_right_tokens():
     assert match.loss(hidden, is_image, [None]) is None
     assert match.loss(hidden, is_image, [7]).item() < 1e-6
     assert match.loss(hidden, is_image, [0]).item() == pytest.approx(20.0, abs=1e-3)
+
+
+def test_conversations_ask_at_least_min_turns_questions():
+    import random
+
+    from duet_testing.demo_tasks import make_conversation
+
+    def singles(min_turns):
+        rng = random.Random(0)
+        return [c for c in (make_conversation(rng, min_turns=min_turns) for _ in range(300)) if len(c.scenes) == 1]
+
+    full, default = singles(4), singles(1)
+    # every scene answers the count and describe questions; color and position only where a shape is unambiguous
+    assert full and all(len(c.turns) >= 2 for c in full)
+    assert sum(len(c.turns) == 4 for c in full) > len(full) / 2
+    for c in full:
+        questions = [q.removeprefix("<image>") for q, _ in c.turns]
+        assert c.turns[0][0].startswith("<image>") and len(set(questions)) == len(questions)
+    assert any(len(c.turns) == 1 for c in default)
+    assert sum(len(c.turns) for c in full) > 1.3 * sum(len(c.turns) for c in default)
