@@ -276,3 +276,26 @@ def test_conversations_ask_at_least_min_turns_questions():
         assert c.turns[0][0].startswith("<image>") and len(set(questions)) == len(questions)
     assert any(len(c.turns) == 1 for c in default)
     assert sum(len(c.turns) for c in full) > 1.3 * sum(len(c.turns) for c in default)
+
+
+def test_the_centre_probe_marks_one_token_per_shape():
+    from duet_testing.demo_tasks import Scene, Shape
+
+    tri = Shape("triangle", "blue", "large", 1, 2, x=0.8, y=0.5, r=0.1, rgb=(0, 0, 255))
+    dot = Shape("circle", "red", "small", 0, 0, x=0.1, y=0.1, r=0.05, rgb=(255, 0, 0))
+    scenes = [Scene((dot, tri), noisy=False, seed=1, width=120, height=60, style="varied")] * 2
+    grids = [(2, 4), (2, 4)]  # the same scene twice: the second image's tokens follow the first's
+    visual = torch.zeros(16, 8)
+    visual[[0, 7, 8, 15], 0] = 1.0  # feature 0 set exactly on the centre tokens (0 and 7 of each image)
+    probe = TokenProbe(8, centre=True)
+    with torch.no_grad():  # the centre head reads feature 0: +-10 logits
+        probe.centre.weight.zero_(), probe.centre.bias.zero_()
+        probe.centre.weight[1, 0], probe.centre.bias[0] = 20.0, 10.0
+    sharp = probe.loss(visual, scenes, grids)
+    with torch.no_grad():
+        probe.centre.weight.zero_(), probe.centre.bias.zero_()
+    flat = probe.loss(visual, scenes, grids)
+    assert (flat - sharp).item() == pytest.approx(math.log(2), abs=1e-3)  # right on every token: its term ~0
+    plain = TokenProbe(8)
+    plain.load_state_dict({k: v for k, v in probe.state_dict().items() if not k.startswith("centre")})
+    assert (flat - plain.loss(visual, scenes, grids)).item() == pytest.approx(math.log(2), abs=1e-5)
