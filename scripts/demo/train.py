@@ -4,20 +4,22 @@ A Qwen3-VL-MoE model -- a native-resolution vision tower (16-pixel patches, 2x2 
 text layers) and a MoE text model (8 experts, top-2, interleaved M-RoPE) -- trained with transformers'
 ``Qwen3VLMoeForConditionalGeneration`` on :mod:`duet_testing.demo_tasks` in its ``varied`` style (canvases from 48 to
 360 pixels a side at any aspect ratio up to 2.5:1, so an image's visual-token count varies from 12 to 36 after the
-processor's resize to 112^2-192^2 pixels). Each training sequence is one scene with 1-4 question/answer turns (or
-one two-image comparison), loss on the answer tokens only, plus two training-only probes that are not saved:
-:class:`TokenProbe` (from each merged visual token: the shape kind and colour over it and the third of the image it
-lies in; from the mean of a shape's tokens, its kind) and :class:`MatchProbe` (which visual token holds the shape
-the first question asks about, read from the text model's hidden states; the image follows the question in the chat
-template). Without them the answers alone teach the vision tower slowly (the LLaVA demo's lesson: 81% against 99%).
+processor's resize to 112^2-192^2 pixels). Each training sequence is one scene with ``--min-turns``-4 question/answer
+turns (or one two-image comparison), loss on the answer tokens only, plus two training-only probes that are not saved:
+:class:`TokenProbe` (from each merged visual token: the shape kind and colour over it, the third of the image it lies in
+and, with ``--centre-probe``, whether it holds a shape's centre; from the mean of a shape's tokens, its kind) and
+:class:`MatchProbe` (which visual token holds the shape the first question asks about, read from the text model's hidden
+states; the image follows the question in the chat template). Without them the answers alone teach the vision tower
+slowly (the LLaVA demo's lesson: 81% against 99%).
 Deterministic for a seed on a given machine, worker and thread count. Writes a Hugging Face checkpoint in the layout
 transformers 5 saves (config, safetensors, tokenizer, ``preprocessor_config.json``, generation config; see
 :func:`_save` for why not the released checkpoints' fused-expert layout) plus ``train_log.jsonl``. ``--workers 2``
 trains data-parallel in two one-thread processes (a step took 0.49 s against 0.62 s in one process of two threads on
 an AMD EPYC, 2 cores: the small matrix products and the Python work of a step run on both cores at once; other worker
 counts give other, equally trained, weights). ``--precision bfloat16`` (``auto``: where the CPU multiplies bfloat16
-natively) and ``--ema D`` (save a moving average of the weights): :mod:`scripts.demo.speed`. The command line's
-defaults (:data:`SHIPPED_RUN`) are the run that made the shipped checkpoint, 44 minutes on that host.
+natively) and ``--ema D`` (save a moving average of the weights): :mod:`scripts.demo.speed`; ``--optimizer muon``
+(the hidden matrices by Muon, the rest by AdamW): :mod:`scripts.demo.muon`. The command line's defaults
+(:data:`SHIPPED_RUN`) are the run that made the shipped checkpoint, 19.9 minutes on that host.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ MIN_PIXELS, MAX_PIXELS = 112 * 112, 192 * 192  # 12 to 36 visual tokens an image
 PROBE_WEIGHT = 1.5  # weight of the training-only token probe's loss (TokenProbe)
 MATCH_WEIGHT = 0.5  # weight of the training-only match probe's loss (MatchProbe)
 # the command line's defaults: the run that made the shipped checkpoint (on a CPU with native bfloat16)
-SHIPPED_RUN = {"steps": 6000, "seed": 1, "workers": 2, "precision": "auto", "ema": 0.999, "optimizer": "adamw",
-               "min_turns": 1, "centre_probe": False}
+SHIPPED_RUN = {"steps": 2250, "seed": 1, "workers": 2, "precision": "auto", "ema": 0.999, "optimizer": "muon",
+               "min_turns": 4, "centre_probe": True}
 # the vision tower: wider than the text model, since telling a triangle from a diamond at any scale and offset
 # against the 16-pixel patch grid is the slowest thing the demo learns (a linear probe of shape kind: 85% after
 # 500 steps at this width, 77% at 128 wide)
@@ -272,6 +274,8 @@ def _train(out: Path, *, rank: int, workers: int, steps: int, seed: int, batch_s
     opts = make_optimizers(model, extra, optimizer, lr, muon_lr, bf16=bf16, share=share)
     average = WeightAverage(model, ema) if ema else None
     rng = random.Random(seed)
+    header = {"seed": seed, "steps": steps, "workers": workers, "precision": precision, "ema": ema,
+              "optimizer": optimizer, "muon_lr": muon_lr, "min_turns": min_turns, "centre_probe": centre_probe}
     log = []
     bar = _bar(steps) if progress and lead else None
     t0 = time.perf_counter()
@@ -308,8 +312,7 @@ def _train(out: Path, *, rank: int, workers: int, steps: int, seed: int, batch_s
                         "lr": opts[0].param_groups[0]["lr"], "elapsed_s": round(time.perf_counter() - t0, 1)})
         if checkpoint_every and step and step % checkpoint_every == 0 and lead:
             with average.applied() if average is not None else nullcontext():
-                _save(model, tok, out / f"step-{step}", log, seed=seed, steps=steps, workers=workers,
-                      precision=precision, ema=ema)
+                _save(model, tok, out / f"step-{step}", log, header)
             model.train()
         if bar is not None:
             bar.update(1)
@@ -322,15 +325,16 @@ def _train(out: Path, *, rank: int, workers: int, steps: int, seed: int, batch_s
         use_fp32_attention(model, on=False)
     model.eval()
     if save and lead:
-        _save(model, tok, out, log, seed=seed, steps=steps, workers=workers, precision=precision, ema=ema)
+        _save(model, tok, out, log, header)
         if average is not None and save_last:
             with average.applied():  # holds the last step's weights now
-                _save(model, tok, out / "last", log, seed=seed, steps=steps, workers=workers, precision=precision)
+                _save(model, tok, out / "last", log, {**header, "ema": 0.0})
     return model
 
 
-def _save(model, tok, out: Path, log: list[dict], *, seed: int, steps: int, workers: int = 1,
-          precision: str = "float32", ema: float = 0.0) -> None:
+def _save(model, tok, out: Path, log: list[dict], header: dict) -> None:
+    """The checkpoint and ``train_log.jsonl``: ``header`` (the run's settings and torch's thread count), then
+    ``log``."""
     from transformers import GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
@@ -343,8 +347,7 @@ def _save(model, tok, out: Path, log: list[dict], *, seed: int, steps: int, work
     GenerationConfig(eos_token_id=tok.token_to_id(IM_END), pad_token_id=tok.token_to_id(ENDOFTEXT), do_sample=False,
                      max_new_tokens=48).save_pretrained(out)
     with open(out / "train_log.jsonl", "w") as f:
-        f.write(json.dumps({"seed": seed, "steps": steps, "workers": workers, "precision": precision, "ema": ema,
-                            "torch_threads": torch.get_num_threads()}) + "\n")
+        f.write(json.dumps({**header, "torch_threads": torch.get_num_threads()}) + "\n")
         f.writelines(json.dumps(r) + "\n" for r in log)
 
 
@@ -380,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-turns", type=int, default=SHIPPED_RUN["min_turns"],
                    help="questions a single-image conversation asks at least (1-4: all four kinds)")
     p.add_argument("--save-last", action="store_true", help="with --ema: also save the last step's weights to OUT/last")
-    p.add_argument("--centre-probe", action="store_true",
+    p.add_argument("--centre-probe", action=argparse.BooleanOptionalAction, default=SHIPPED_RUN["centre_probe"],
                    help="the token probe also learns which token holds each shape's centre (a count's units)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)

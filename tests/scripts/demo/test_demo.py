@@ -141,8 +141,8 @@ def test_shipped_checkpoint_is_what_the_script_generates(tmp_path):
     assert json.loads((DEMO_MODEL_DIR / "preprocessor_config.json").read_text()) == processor_config()
     log = [json.loads(line) for line in (DEMO_MODEL_DIR / "train_log.jsonl").read_text().splitlines()]
     # the command line's defaults are the shipped run's (bfloat16 where the CPU has it natively, as the shipping host)
-    assert {k: log[0][k] for k in ("seed", "steps", "workers", "ema")} == {k: SHIPPED_RUN[k] for k in
-                                                                            ("seed", "steps", "workers", "ema")}
+    recipe = ("seed", "steps", "workers", "ema", "optimizer", "min_turns", "centre_probe")
+    assert {k: log[0][k] for k in recipe} == {k: SHIPPED_RUN[k] for k in recipe}
     assert log[0]["precision"] == "bfloat16" and log[-1]["step"] == log[0]["steps"] - 1
 
 
