@@ -63,7 +63,10 @@ class Muon(torch.optim.Optimizer):
             rank, workers, reduce = self.share if self.share is not None else (0, 1, None)
             updates = []
             for i, p in enumerate(params):
-                buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                state = self.state[p]
+                if "momentum" not in state:
+                    state["momentum"] = torch.zeros_like(p)
+                buf = state["momentum"]
                 buf.mul_(mu).add_(p.grad)
                 if i % workers == rank:
                     updates.append(orthogonalize(p.grad.add(buf, alpha=mu), self.ns_steps, self.ns_dtype))
