@@ -34,12 +34,12 @@ def orthogonalize(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.fl
 def split_params(named: list[tuple[str, torch.nn.Parameter]], max_side: int = 512
                  ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     """(matrices Muon steps, the rest for AdamW): the hidden layers' weights of two or three dimensions (an expert
-    stack is a batch of matrices) whose smaller side is at most ``max_side`` (a 768-square merger would cost more to
-    orthogonalize than a tenth of a step); embeddings, the patch embedding, norms, biases, routers' gates and the
-    training probes go to AdamW."""
+    stack is a batch of matrices) whose smaller side is at most ``max_side`` (orthogonalizing the three 768-square
+    mergers would take about a tenth of a step); embeddings, the patch embedding, norms, biases, routers' gates and an
+    untied LM head go to AdamW."""
     muon, adamw = [], []
     for name, p in named:
-        hidden = p.ndim in (2, 3) and not any(k in name for k in ("embed", "gate.weight", "lm_head", "probe"))
+        hidden = p.ndim in (2, 3) and not any(k in name for k in ("embed", "gate.weight", "lm_head"))
         (muon if hidden and min(p.shape[-2:]) <= max_side else adamw).append(p)
     return muon, adamw
 
@@ -91,13 +91,14 @@ def make_optimizers(model: torch.nn.Module, extra: list[torch.nn.Parameter], kin
                     share: tuple[int, int, Callable[[torch.Tensor], None]] | None = None
                     ) -> list[torch.optim.Optimizer]:
     """The trainer's optimizers: ``adamw`` (one AdamW over everything) or ``muon`` (Muon over the hidden matrices
-    at ``muon_lr``, default ``lr``, orthogonalized in bfloat16 when ``bf16``; AdamW over the rest and ``extra``)."""
+    at ``muon_lr``, default ``lr``, orthogonalized in bfloat16 when ``bf16``; AdamW over the rest and ``extra``, the
+    training probes)."""
     adamw_kw = dict(betas=(0.9, 0.98), weight_decay=0.01)
     if kind == "adamw":
         return [torch.optim.AdamW([*model.parameters(), *extra], lr=lr, **adamw_kw)]
     if kind != "muon":
         raise ValueError(f"unknown optimizer {kind!r} (known: adamw, muon)")
     hidden, rest = split_params(list(model.named_parameters()))
-    muon = Muon(hidden, lr=muon_lr or lr, weight_decay=0.01, ns_dtype=torch.bfloat16 if bf16 else torch.float32,
-                share=share)
+    muon = Muon(hidden, lr=lr if muon_lr is None else muon_lr, weight_decay=0.01,
+                ns_dtype=torch.bfloat16 if bf16 else torch.float32, share=share)
     return [torch.optim.AdamW([*rest, *extra], lr=lr, **adamw_kw), muon]

@@ -29,6 +29,9 @@ WEATHER = {"type": "function", "function": {
 CLOCK = {"type": "function", "function": {"name": "now", "description": "The time"}}
 ASK = [{"role": "user", "content": "Describe the shapes."}]
 JSON_OBJECT_TOKENS = 64
+# SCHEMA's longest reply, compact: {"count":99,"shape":"triangle","big":false,"color":"abcde"} -- 59 characters, so
+# 59 tokens at most, and its end token
+SCHEMA_TOKENS = 60
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,7 @@ def oai(serve_cluster):
 
 def _schema_reply(oai, seed: int):
     return oai.chat.completions.create(
-        model="duet-demo", messages=ASK, temperature=1.0, seed=seed, max_tokens=48,
+        model="duet-demo", messages=ASK, temperature=1.0, seed=seed, max_tokens=SCHEMA_TOKENS,
         response_format={"type": "json_schema", "json_schema": {"name": "shapes", "schema": SCHEMA}})
 
 
@@ -54,7 +57,7 @@ def test_sampled_json_schema_replies_validate(oai, serve_cluster):
         jsonschema.validate(json.loads(c.message.content), SCHEMA)
     assert len({r.choices[0].message.content for r in replies}) > 1  # sampled, not one fixed reply
     streamed = oai.chat.completions.create(
-        model="duet-demo", messages=ASK, temperature=1.0, seed=7, max_tokens=48, stream=True,
+        model="duet-demo", messages=ASK, temperature=1.0, seed=7, max_tokens=SCHEMA_TOKENS, stream=True,
         response_format={"type": "json_schema", "json_schema": {"name": "shapes", "schema": SCHEMA}})
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == _schema_reply(oai, 7).choices[0].message.content  # same seed, same reply, streamed or not
