@@ -56,10 +56,10 @@ class TokenProbe(torch.nn.Module):
     def loss(self, visual: torch.Tensor, scenes: list[Scene], grids: list[tuple[int, int]]) -> torch.Tensor:
         """Sum of the predictions' mean cross-entropies; ``visual`` is ``[tokens of every image, hidden]``."""
         kind, color, cell, owner, shape_kinds, at = [], [], [], [], [], 0
-        centres = []
+        centres: list[int] = []  # each shape's centre token, counted over every image's tokens
         for sc, (gh, gw) in zip(scenes, grids, strict=True):
             if self.centre is not None:
-                centres.append(len(kind) + torch.tensor([centre_token(s, gh, gw) for s in sc.shapes], dtype=torch.long))
+                centres += [len(kind) + centre_token(s, gh, gw) for s in sc.shapes]
             k, c, p, o = token_targets(sc, gh, gw)
             kind += k
             color += c
@@ -76,7 +76,7 @@ class TokenProbe(torch.nn.Module):
                  + ce(self.cell(visual), torch.tensor(cell)) + ce(self.shape_kind(pooled), torch.tensor(shape_kinds)))
         if self.centre is not None:
             target = torch.zeros(len(kind), dtype=torch.long)
-            target[torch.cat(centres)] = 1
+            target[centres] = 1
             total = total + ce(self.centre(visual), target)
         return total
 

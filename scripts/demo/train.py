@@ -268,10 +268,11 @@ def _train(out: Path, *, rank: int, workers: int, steps: int, seed: int, batch_s
     hidden = model.config.text_config.hidden_size
     probe = TokenProbe(hidden, centre=centre_probe) if probe_weight > 0 else None
     match = MatchProbe(hidden) if match_weight > 0 else None
-    params = [p for m in (model, probe, match) if m is not None for p in m.parameters()]
     extra = [p for m in (probe, match) if m is not None for p in m.parameters()]
+    params = [*model.parameters(), *extra]
     share = (rank, workers, all_reduce_sum) if workers > 1 else None
     opts = make_optimizers(model, extra, optimizer, lr, muon_lr, bf16=bf16, share=share)
+    peaks = [[g["lr"] for g in opt.param_groups] for opt in opts]  # each group's peak learning rate
     average = WeightAverage(model, ema) if ema else None
     rng = random.Random(seed)
     header = {"seed": seed, "steps": steps, "workers": workers, "precision": precision, "ema": ema,
@@ -285,10 +286,9 @@ def _train(out: Path, *, rank: int, workers: int, steps: int, seed: int, batch_s
         if workers > 1:
             examples = sorted(examples, key=lambda e: sum(s.width * s.height for s in e.scenes))[rank::workers]
         scale = lr_at(step, steps, 1.0, warmup=min(100, steps // 10 + 1))
-        for opt in opts:
-            for g in opt.param_groups:
-                g.setdefault("peak_lr", g["lr"])
-                g["lr"] = g["peak_lr"] * scale
+        for opt, peak in zip(opts, peaks, strict=True):
+            for g, top in zip(opt.param_groups, peak, strict=True):
+                g["lr"] = top * scale
             opt.zero_grad(set_to_none=True)
         parts: dict[str, float] = {}
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):

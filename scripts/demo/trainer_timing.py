@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if a.steps <= FIRST_TIMED_STEP + 20 or a.rounds < 1:
         p.error(f"--steps must exceed {FIRST_TIMED_STEP + 20} and --rounds be at least 1")
-    demo_steps = SHIPPED_RUN["steps"]
-    if "--steps" in extra:
-        demo_steps = int(extra[extra.index("--steps") + 1])
-        extra = [x for i, x in enumerate(extra) if x != "--steps" and (i == 0 or extra[i - 1] != "--steps")]
+    length = argparse.ArgumentParser(add_help=False)  # the demo run's own length, if the trainer's args give one
+    length.add_argument("--steps", type=int, default=SHIPPED_RUN["steps"])
+    known, extra = length.parse_known_args(extra)
+    demo_steps = known.steps
     runs = {"llava": ("scripts.demo.train_llava", []), "demo": ("scripts.demo.train", extra)}
     per_step: dict[str, list[float]] = {k: [] for k in runs}
     with tempfile.TemporaryDirectory() as tmp:
